@@ -1,0 +1,49 @@
+"""hf_packing: padding-free, packed training of Qwen-VL models with the Hugging Face Trainer.
+
+Importing the package does nothing: no transformers import, no device probe, no environment read.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "apply_rmpad",
+    "revert_rmpad",
+    "supported_model_types",
+    "plan_packs",
+    "pack_dataset",
+    "VisionCollator",
+]
+
+# Lazy re-exports keep `import hf_packing` free of transformers/torch work until a name is used.
+_LAZY = {
+    "apply_rmpad": "hf_packing.patches",
+    "revert_rmpad": "hf_packing.patches",
+    "supported_model_types": "hf_packing.patches",
+    "plan_packs": "hf_packing.planner",
+    "pack_dataset": "hf_packing.stream",
+    "VisionCollator": "hf_packing.collator",
+}
+
+if TYPE_CHECKING:
+    from .collator import VisionCollator
+    from .patches import apply_rmpad, revert_rmpad, supported_model_types
+    from .planner import plan_packs
+    from .stream import pack_dataset
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hf_packing' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,87 @@
+"""The one place that probes versions and optional packages.
+
+Every probe is a function, evaluated when first called, so ``import hf_packing`` touches no device,
+reads no environment variable and imports neither transformers nor any kernel package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from functools import lru_cache
+from types import ModuleType
+
+#: transformers versions the patches are tested against (inclusive lower, exclusive upper bound).
+SUPPORTED_TRANSFORMERS = ("5.17", "5.24")
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def check_transformers_version() -> str:
+    """Raise a clear error when the installed transformers is outside the supported range.
+
+    Returns:
+        `str`: the installed version.
+    """
+    import transformers
+
+    version = transformers.__version__
+    low, high = (_version_tuple(v) for v in SUPPORTED_TRANSFORMERS)
+    if not (low <= _version_tuple(version)[: len(low)] and _version_tuple(version)[: len(high)] < high):
+        raise RuntimeError(
+            f"hf_packing supports transformers >={SUPPORTED_TRANSFORMERS[0]},<{SUPPORTED_TRANSFORMERS[1]}; "
+            f"found {version}. Install a supported version (pip install 'transformers>={SUPPORTED_TRANSFORMERS[0]},"
+            f"<{SUPPORTED_TRANSFORMERS[1]}') or pin hf_packing to a release that supports yours."
+        )
+    return version
+
+
+@lru_cache(maxsize=None)
+def flash_attn_varlen_module() -> ModuleType | None:
+    """The module exposing ``flash_attn_varlen_func``: FA3 (``flash_attn_interface``) first, then FA2."""
+    for name in ("flash_attn_interface", "flash_attn"):
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # a broken CUDA build raises at import; treat it as absent
+            continue
+        if hasattr(module, "flash_attn_varlen_func"):
+            return module
+    return None
+
+
+@lru_cache(maxsize=None)
+def torch_varlen_attn():
+    """``torch.nn.attention.varlen.varlen_attn`` if this torch has it, else ``None``."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:
+        return None
+    return varlen_attn
+
+
+@lru_cache(maxsize=None)
+def torch_varlen_params() -> frozenset[str]:
+    """Keyword names ``varlen_attn`` accepts; its signature changed across torch releases."""
+    fn = torch_varlen_attn()
+    return frozenset(inspect.signature(fn).parameters) if fn is not None else frozenset()
+
+
+@lru_cache(maxsize=None)
+def liger_fused_linear_cross_entropy():
+    """Liger-Kernel's fused linear cross-entropy function, or ``None`` when not installed."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except Exception:
+        return None
+    return liger_fused_linear_cross_entropy

@@ -1,0 +1,90 @@
+"""Route Qwen-VL attention through the varlen backends via transformers' attention-function registry.
+
+transformers calls ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`` in every
+attention module. The patch wraps the registered entries (sdpa, flash_attention_*): a call from a patched
+text-attention class that carries the packed boundaries (``hf_packing_seqs``) runs causal varlen
+attention; a call from a patched vision-attention class with ``cu_seq_lens_q`` runs non-causal varlen
+attention; every other call goes to the original function untouched. So other models, generation and
+unpatched forwards behave exactly as before, and nothing depends on a config switch that gradient
+checkpointing's recomputation could miss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..varlen import PackedSequences, varlen_attention
+
+#: kwarg that carries the text stream's `PackedSequences` from the patched forward down to attention.
+PACKED_KWARG = "hf_packing_seqs"
+#: registry keys the patch wraps; a model on another implementation (eager, flex) is refused at forward time.
+WRAPPED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+#: set by apply_rmpad: the backend name and the attention classes that take the varlen route.
+STATE: dict[str, Any] = {"backend": "auto", "text_classes": set(), "vision_classes": set()}
+
+
+def _to_flat(t: torch.Tensor) -> torch.Tensor:
+    """(1, H, T, D) → (T, H, D)."""
+    return t.squeeze(0).transpose(0, 1)
+
+
+def _vision_seqs(cu_seqlens: torch.Tensor, max_seqlen: int | None) -> PackedSequences:
+    # All vision blocks share one cu_seqlens tensor; cache the host-side view on it to sync once per forward.
+    cached = getattr(cu_seqlens, "_hf_packing_seqs", None)
+    if cached is None:
+        seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        cached = PackedSequences(cu_seqlens.to(torch.int32), max(seqlens, default=0), seqlens)
+        cu_seqlens._hf_packing_seqs = cached
+    if max_seqlen is not None:
+        cached.max_seqlen = int(max_seqlen)
+    return cached
+
+
+def make_dispatcher(original: Callable) -> Callable:
+    """Wrap a registered attention function with the varlen route described in the module docstring."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        seqs = kwargs.pop(PACKED_KWARG, None)
+        cls = type(module)
+        if cls in STATE["vision_classes"] and kwargs.get("cu_seq_lens_q") is not None:
+            seqs, causal = _vision_seqs(kwargs["cu_seq_lens_q"], kwargs.get("max_length_q")), False
+        elif seqs is not None and cls in STATE["text_classes"]:
+            causal = True
+        else:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        scale = kwargs.get("scaling")
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        out = varlen_attention(
+            _to_flat(query), _to_flat(key), _to_flat(value), seqs,
+            causal=causal, scale=scale, backend=STATE["backend"],
+            window=kwargs.get("sliding_window"), dropout=kwargs.get("dropout", 0.0) or 0.0,
+        )
+        return out.unsqueeze(0), None
+
+    attention.__wrapped__ = original
+    return attention
+
+
+def make_vision_flash_check(original: Callable) -> Callable:
+    """Wrap a modeling module's ``is_flash_attention_requested`` so vision towers take their ``cu_seqlens`` path.
+
+    Vision attention only passes ``cu_seqlens`` to the attention function on its flash branch; on every
+    other branch it loops over images. Answering "flash" for vision configs on a wrapped implementation
+    sends the whole tower through one varlen call of the chosen backend.
+    """
+
+    def is_flash_attention_requested(config=None, requested_attention_implementation=None, version=None):
+        if (
+            config is not None
+            and version is None
+            and hasattr(config, "spatial_merge_size")  # vision configs only; text configs keep the answer
+            and getattr(config, "_attn_implementation", None) in WRAPPED_IMPLEMENTATIONS
+        ):
+            return True
+        return original(config=config, requested_attention_implementation=requested_attention_implementation, version=version)
+
+    is_flash_attention_requested.__wrapped__ = original
+    return is_flash_attention_requested

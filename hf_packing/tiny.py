@@ -1,0 +1,318 @@
+"""Tiny, random-weight, fully-local Qwen-VL models and processors for tests.
+
+Four families are supported, named by ``config.model_type``: ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"`` and
+``"qwen3_vl_moe"``. Nothing is downloaded: the tokenizer is a byte-level BPE trained in-process on a small built-in
+text, the image/video processors are the families' real classes with small pixel budgets, and the models are the
+real ``*ForConditionalGeneration`` classes with tiny random weights.
+
+The token ids mirror Qwen's layout: ``BASE_VOCAB`` ordinary BPE tokens, then the Qwen special tokens in Qwen's order,
+so ``<|image_pad|>`` sits 12 ids after ``<|endoftext|>`` exactly as in the real vocabularies.
+
+``transformers`` is imported inside functions only, so importing this module is cheap and side-effect free.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PretrainedConfig, PreTrainedModel
+
+MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+BASE_VOCAB: int = 498
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>",
+)  # fmt: skip
+TOKEN_IDS: dict[str, int] = {tok: BASE_VOCAB + i for i, tok in enumerate(SPECIAL_TOKENS)}
+VOCAB_SIZE: int = BASE_VOCAB + len(SPECIAL_TOKENS)  # 512
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog while the cat watches from the window.
+A picture shows a red car parked near a small house with a green door and two windows.
+Describe the image in detail. What colour is the sky? How many people are in the photo?
+The video starts with a person walking along the beach, then the camera turns to the sea.
+Padding-free training packs several conversations into one long sequence without pad tokens.
+Each sample keeps its own position ids, so attention never crosses the boundary between samples.
+The assistant answers the user politely and explains the reasoning step by step.
+Numbers like 0 1 2 3 4 5 6 7 8 9 10 42 100 2024 appear in dates, prices and counts.
+Vision tokens are merged two by two before they reach the language model.
+Questions: who, what, where, when, why and how? Answers: yes, no, maybe, sometimes, always.
+The model reads text, looks at pictures, watches videos and writes a short summary of them.
+Training loss should go down; evaluation accuracy should go up; gradients must stay finite.
+There is a dog, a bird, a tree, a table, a chair, a book, a cup of coffee and a laptop.
+Please provide a caption for this photo and list every object that you can see in it.
+In the morning the city is quiet, but by the evening the streets are full of traffic and lights.
+"""
+
+_CHAT_TEMPLATE = """\
+{%- for message in messages %}
+{{- '<|im_start|>' ~ message['role'] ~ '\\n' }}
+{%- if message['content'] is string %}
+{{- message['content'] }}
+{%- else %}
+{%- for part in message['content'] or [] %}
+{%- set kind = part.get('type', '') %}
+{%- if kind in ('image', 'image_url') or 'image' in part or 'image_url' in part %}
+{{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+{%- elif kind == 'video' or 'video' in part %}
+{{- '<|vision_start|><|video_pad|><|vision_end|>' }}
+{%- elif 'text' in part %}
+{{- part['text'] }}
+{%- endif %}
+{%- endfor %}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+# family -> class-name prefix: f"{prefix}Config", f"{prefix}ForConditionalGeneration"
+_PREFIX = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe"}
+
+
+def _class(model_type: str, kind: str) -> Any:
+    """Resolve `kind` ("Config", "ForConditionalGeneration", "Processor", "VideoProcessor") for a family."""
+    import transformers
+
+    if model_type not in _PREFIX:
+        raise ValueError(f"Unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}.")
+    prefix = _PREFIX[model_type]
+    if kind == "Processor":
+        prefix = prefix.replace("Moe", "")  # qwen3_vl_moe ships Qwen3VLProcessor
+    elif kind == "VideoProcessor":
+        prefix = "Qwen3VL" if model_type.startswith("qwen3") else "Qwen2VL"
+    return getattr(transformers, prefix + kind)
+
+
+def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
+    """Build a tiny fp32 config for one Qwen-VL family.
+
+    Text: hidden 64, 2 layers, 4 heads, 2 kv heads, intermediate 128 (``qwen3_vl_moe``: 4 experts of width 32, top-2).
+    Vision: depth 2, width 32, 2 heads, spatial merge 2, temporal patch 2; patch 14 (qwen2/2.5) or 16 (qwen3).
+    M-RoPE sections are the family's real ones scaled to the tiny head dim (16 for qwen2/2.5, 32 for qwen3).
+    Vocabulary size and special token ids match the tokenizer of [`build_tiny_processor`].
+
+    Args:
+        model_type (`str`):
+            One of `"qwen2_vl"`, `"qwen2_5_vl"`, `"qwen3_vl"`, `"qwen3_vl_moe"`.
+        **overrides:
+            Top-level config attributes to override. `text_config` / `vision_config` may be dicts; they are merged
+            into the tiny defaults instead of replacing them.
+
+    Returns:
+        `PretrainedConfig`: the family's config class (e.g. `Qwen2VLConfig`).
+    """
+    config_cls = _class(model_type, "Config")
+    qwen3 = model_type.startswith("qwen3")
+    eot, eos = TOKEN_IDS["<|endoftext|>"], TOKEN_IDS["<|im_end|>"]
+    ids = {"bos_token_id": eot, "eos_token_id": eos, "pad_token_id": eot}
+    text: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False, **ids,
+    }  # fmt: skip
+    if qwen3:  # real: head_dim 128, mrope [24, 20, 20] interleaved -> head_dim 32, [6, 5, 5]
+        text.update(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                                  "mrope_section": [6, 5, 5], "mrope_interleaved": True})  # fmt: skip
+        vision: dict[str, Any] = {
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 16,
+            "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64,
+            "num_position_embeddings": 256, "deepstack_visual_indexes": [0],
+        }  # fmt: skip
+        if model_type == "qwen3_vl_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    else:  # real: head_dim 128, mrope [16, 24, 24] -> head_dim 16, [2, 3, 3]
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}
+        if model_type == "qwen2_vl":  # Qwen2-VL: `embed_dim` is the ViT width, `hidden_size` the merger output
+            vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
+        else:  # window 56 px = 2x2 merged tokens, so small test images already span several windows
+            vision = {
+                "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                "window_size": 56, "fullatt_block_indexes": [1], "tokens_per_second": 2,
+            }  # fmt: skip
+        vision.update(patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    text.update(overrides.pop("text_config", None) or {})
+    vision.update(overrides.pop("vision_config", None) or {})
+    kwargs: dict[str, Any] = {
+        "text_config": text, "vision_config": vision, "image_token_id": TOKEN_IDS["<|image_pad|>"],
+        "video_token_id": TOKEN_IDS["<|video_pad|>"], "vision_start_token_id": TOKEN_IDS["<|vision_start|>"],
+        "vision_end_token_id": TOKEN_IDS["<|vision_end|>"], "tie_word_embeddings": False, "dtype": "float32",
+        **ids,
+    }  # fmt: skip
+    kwargs.update(overrides)
+    return config_cls(**kwargs)
+
+
+def _train_tokenizer() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Train a deterministic byte-level BPE (vocab `BASE_VOCAB`) and append the Qwen special tokens."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX  # so Qwen2Tokenizer fits the merges
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=BASE_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
+    model = json.loads(tok.to_str())["model"]
+    vocab: dict[str, int] = model["vocab"]
+    if len(vocab) != BASE_VOCAB:
+        raise RuntimeError(f"tiny BPE reached {len(vocab)} tokens instead of {BASE_VOCAB}; enlarge the corpus")
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return {**vocab, **TOKEN_IDS}, merges
+
+
+def _build_tokenizer() -> Any:
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _train_tokenizer()
+    tok = Qwen2Tokenizer(
+        vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", model_max_length=32768, extra_special_tokens=list(SPECIAL_TOKENS[1:]),
+    )  # fmt: skip
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
+    tok.chat_template = _CHAT_TEMPLATE
+    bad = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS if tok.convert_tokens_to_ids(t) != TOKEN_IDS[t]}
+    if bad or len(tok) != VOCAB_SIZE:
+        raise RuntimeError(f"tiny tokenizer ids drifted: {bad}, len={len(tok)}")
+    return tok
+
+
+def build_tiny_processor(model_type: str, save_dir: str | Path) -> Path:
+    """Build the family's real processor around a locally trained tiny tokenizer and save it.
+
+    Images: `Qwen2VLImageProcessor` (all families; qwen3 uses patch 16 and mean/std 0.5) limited to
+    `size={"shortest_edge": 56*56, "longest_edge": 448*448}` pixels (64*64 / 512*512 for qwen3).
+    Videos: `Qwen2VLVideoProcessor` (per-frame pixel budget 56*56 .. 224*224) or `Qwen3VLVideoProcessor` (budget
+    over all frames, 64*64 .. 16*256*256), `cap_pixels_per_frame=False`. Videos can be given as numpy arrays
+    `(T, H, W, 3)` or lists of PIL frames; no video decoding package is needed. Qwen3 keeps the real defaults
+    (`do_sample_frames=True`, `fps=2`, at least 4 frames) and its processor writes `<t seconds>` timestamps per
+    temporal patch; without `video_metadata` the source fps is assumed to be 24 (transformers warns).
+
+    Args:
+        model_type (`str`):
+            One of `"qwen2_vl"`, `"qwen2_5_vl"`, `"qwen3_vl"`, `"qwen3_vl_moe"` (the last uses `Qwen3VLProcessor`).
+        save_dir (`str` or `Path`):
+            Directory to write to; created if missing.
+
+    Returns:
+        `Path`: `save_dir`, loadable offline with `AutoProcessor.from_pretrained`.
+    """
+    processor_cls, video_cls = _class(model_type, "Processor"), _class(model_type, "VideoProcessor")
+    from transformers import Qwen2VLImageProcessor
+
+    if model_type.startswith("qwen3"):
+        norm = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+        patch, img_size = 16, {"shortest_edge": 64 * 64, "longest_edge": 512 * 512}
+        vid_size = {"shortest_edge": 64 * 64, "longest_edge": 16 * 256 * 256}  # qwen3: summed over frames
+    else:
+        norm = {}  # the classes default to the OpenAI CLIP mean/std, as the real checkpoints do
+        patch, img_size = 14, {"shortest_edge": 56 * 56, "longest_edge": 448 * 448}
+        vid_size = {"shortest_edge": 56 * 56, "longest_edge": 224 * 224}
+    common = {"patch_size": patch, "temporal_patch_size": 2, "merge_size": 2, **norm}
+    image_processor = Qwen2VLImageProcessor(size=img_size, **common)
+    video_processor = video_cls(size=vid_size, cap_pixels_per_frame=False, **common)
+    processor = processor_cls(
+        image_processor=image_processor,
+        tokenizer=_build_tokenizer(),
+        video_processor=video_processor,
+        chat_template=_CHAT_TEMPLATE,
+    )
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    processor.save_pretrained(str(save_dir))
+    return save_dir
+
+
+def build_tiny_model(
+    model_type: str, processor_dir: str | Path | None = None, seed: int = 0, **overrides: Any
+) -> PreTrainedModel:
+    """Instantiate a random-init fp32 `XForConditionalGeneration` from [`tiny_config`].
+
+    Args:
+        model_type (`str`):
+            One of `"qwen2_vl"`, `"qwen2_5_vl"`, `"qwen3_vl"`, `"qwen3_vl_moe"`.
+        processor_dir (`str` or `Path`, *optional*):
+            A saved tiny processor. When given, its tokenizer is checked against the config (vocab size and the
+            image/video/vision-start/vision-end/eos/pad ids) and a `ValueError` is raised on mismatch.
+        seed (`int`, *optional*, defaults to 0):
+            Seed for weight init. The global torch RNG state is restored afterwards.
+        **overrides:
+            Forwarded to [`tiny_config`].
+
+    Returns:
+        `PreTrainedModel`: the family's model (e.g. `Qwen2VLForConditionalGeneration`), fp32, on CPU.
+    """
+    import torch
+
+    config = tiny_config(model_type, **overrides)
+    if processor_dir is not None:
+        check_special_tokens(config, processor_dir)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _class(model_type, "ForConditionalGeneration")(config)
+    return model.to(torch.float32)
+
+
+def check_special_tokens(config: PretrainedConfig, processor_dir: str | Path | Any) -> None:
+    """Raise `ValueError` if `config` disagrees with the tokenizer saved in `processor_dir` (or a processor/tokenizer).
+
+    Args:
+        config (`PretrainedConfig`):
+            A Qwen-VL config.
+        processor_dir (`str`, `Path`, processor or tokenizer):
+            Where to read the tokenizer from.
+    """
+    tok = processor_dir
+    if isinstance(processor_dir, (str, Path)):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(processor_dir))
+    tok = getattr(tok, "tokenizer", tok)
+    text = config.get_text_config()
+    pairs = {"vocab_size": (text.vocab_size, len(tok))}
+    for name in ("eos_token_id", "pad_token_id"):
+        pairs[name] = (getattr(text, name, None), getattr(tok, name))
+    for name, token in [("image", "image_pad"), ("video", "video_pad"), ("vision_start",) * 2, ("vision_end",) * 2]:
+        pairs[f"{name}_token_id"] = (getattr(config, f"{name}_token_id"), tok.convert_tokens_to_ids(f"<|{token}|>"))
+    bad = {k: v for k, v in pairs.items() if v[0] != v[1]}
+    if bad:
+        raise ValueError(f"config/tokenizer mismatch (config, tokenizer): {bad}")
+
+
+def save_tiny_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save a tiny model and its processor into one directory.
+
+    `AutoModelForImageTextToText.from_pretrained(out_dir)` and `AutoProcessor.from_pretrained(out_dir)` load it offline.
+
+    Args:
+        model_type (`str`):
+            One of `"qwen2_vl"`, `"qwen2_5_vl"`, `"qwen3_vl"`, `"qwen3_vl_moe"`.
+        out_dir (`str` or `Path`):
+            Output directory; created if missing.
+        seed (`int`, *optional*, defaults to 0):
+            Weight-init seed.
+        **overrides:
+            Forwarded to [`tiny_config`].
+
+    Returns:
+        `Path`: `out_dir`.
+    """
+    out_dir = build_tiny_processor(model_type, out_dir)
+    model = build_tiny_model(model_type, processor_dir=out_dir, seed=seed, **overrides)
+    model.save_pretrained(str(out_dir))
+    return out_dir

@@ -1,0 +1,268 @@
+"""Padding removal, sequence boundaries and varlen attention backends.
+
+A batch of padded rows becomes one flat stream of real tokens. Boundaries are carried as flash-attn's
+``cu_seqlens`` and are derived from lengths only, never guessed from position ids::
+
+    attention_mask (B=3, L=5)      flat stream (T=9)                   cu_seqlens = [0, 3, 8, 9]
+    row 0: 1 1 1 0 0              a a a | b b b b b | c               max_seqlen = 5
+    row 1: 1 1 1 1 1              causal attention never crosses '|'
+    row 2: 0 0 0 0 1   (left padding works the same way)
+
+Backends share one signature ``(q, k, v, seqs, causal, scale, ...) -> out`` with q ``(T, H_q, D)`` and
+k/v ``(T, H_kv, D)``:
+
+- ``flash_attn``: ``flash_attn_varlen_func`` from FA3 (``flash_attn_interface``) or FA2 (``flash_attn``).
+- ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA only).
+- ``reference``: exact pure torch; one SDPA call per sequence, so it costs Σ len² like the fast kernels.
+
+``create_block_causal_mask`` is the dense oracle the tests compare every backend against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from . import _compat
+
+BACKENDS = ("flash_attn", "torch_varlen", "reference")
+
+
+@dataclass
+class PackedSequences:
+    """Boundaries of the sequences in a flat stream.
+
+    Attributes:
+        cu_seqlens (`torch.IntTensor` of shape `(n_seqs + 1,)`): cumulative lengths, int32, starts at 0, ends at T.
+        max_seqlen (`int`): the longest sequence, a Python int so kernels need no device sync.
+        seqlens (`list[int]`): per-sequence lengths on the host; lets the reference backend split without a sync.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    seqlens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_seqlens(cls, seqlens: list[int], device: torch.device | str | None = None) -> "PackedSequences":
+        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(seqlens, dtype=torch.int32).cumsum(0)
+        return cls(cu_seqlens=cu.to(device), max_seqlen=max(seqlens, default=0), seqlens=list(seqlens))
+
+    @property
+    def total(self) -> int:
+        return sum(self.seqlens)
+
+
+def validate_attention_mask(attention_mask: torch.Tensor) -> list[int]:
+    """Check a 2-D padding mask and return each row's real length.
+
+    Args:
+        attention_mask (`torch.Tensor` of shape `(B, L)`): 0/1 (bool or integer); each row's ones must be contiguous
+            (right or left padding). Holes inside a row mean the row holds several sequences, which only the
+            collator's explicit ``cu_seqlens`` can describe.
+
+    Returns:
+        `list[int]`: the number of ones per row (one host transfer for the whole batch).
+
+    Raises:
+        ValueError: naming the first offending row.
+    """
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be 2-D (batch, seq_len); got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask
+    if mask.dtype != torch.bool:
+        not_binary = ((mask != 0) & (mask != 1)).any(dim=1)
+        mask = mask != 0
+    else:
+        not_binary = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+    as_int = mask.to(torch.int8)
+    # A contiguous run of ones has at most one 0->1 edge, counting a leading one as an edge.
+    rises = (as_int[:, 1:] - as_int[:, :-1] == 1).sum(dim=1) + as_int[:, 0]
+    stats = torch.stack([mask.sum(dim=1), rises, not_binary.long()], dim=0).tolist()
+    for row, (length, n_rises, bad) in enumerate(zip(*stats)):
+        if bad:
+            raise ValueError(f"attention_mask row {row} has values other than 0 and 1")
+        if n_rises > 1:
+            raise ValueError(
+                f"attention_mask row {row} has a hole (padding between real tokens); each row must be one "
+                "sequence padded on one side. Pass cu_seqlens from VisionCollator for packed rows."
+            )
+        if length == 0:
+            raise ValueError(f"attention_mask row {row} is all padding; drop empty rows before the forward")
+    return [int(n) for n in stats[0]]
+
+
+def unpad_input(
+    hidden_states: torch.Tensor, attention_mask: torch.Tensor, seqlens: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, PackedSequences]:
+    """Remove padding from ``(B, L, ...)`` data.
+
+    Args:
+        hidden_states (`torch.Tensor` of shape `(B, L, ...)`): any per-token data (ids, embeddings, labels).
+        attention_mask (`torch.Tensor` of shape `(B, L)`): 1 for real tokens.
+        seqlens (`list[int]`, *optional*): per-row lengths if already known on the host.
+
+    Returns:
+        flat (`torch.Tensor` of shape `(T, ...)`), indices (`torch.LongTensor` of shape `(T,)`: positions in the
+        flattened ``B*L`` grid, row-major), and the `PackedSequences` of the rows.
+    """
+    if seqlens is None:
+        seqlens = validate_attention_mask(attention_mask)
+    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    seqs = PackedSequences.from_seqlens(seqlens, device=attention_mask.device)
+    return index_first_axis(hidden_states.flatten(0, 1), indices), indices, seqs
+
+
+def index_first_axis(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``tensor[indices]`` along dim 0, for ``tensor`` of shape `(N, ...)` and int64 ``indices`` of shape `(T,)`."""
+    return tensor.index_select(0, indices)
+
+
+def pad_input(flat: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int, pad_value: float = 0) -> torch.Tensor:
+    """Inverse of `unpad_input`: scatter ``(T, ...)`` back into ``(B, L, ...)`` filled with ``pad_value``."""
+    out = flat.new_full((batch * seqlen, *flat.shape[1:]), pad_value)
+    out.index_copy_(0, indices, flat)
+    return out.view(batch, seqlen, *flat.shape[1:])
+
+
+def create_block_causal_mask(seqlens: list[int], *, causal: bool = True, device=None) -> torch.Tensor:
+    """Dense ``(T, T)`` bool mask (True = may attend) for a flat stream of sequences; the tests' oracle.
+
+    For ``seqlens=[2, 3]``::
+
+        1 0 . . .
+        1 1 . . .
+        . . 1 0 0
+        . . 1 1 0
+        . . 1 1 1
+    """
+    total = sum(seqlens)
+    seq_id = torch.repeat_interleave(torch.arange(len(seqlens), device=device), torch.tensor(seqlens, device=device))
+    mask = seq_id[:, None] == seq_id[None, :]
+    if causal:
+        mask &= torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    return mask
+
+
+# --------------------------------------------------------------------------------------------------- backends
+
+
+def _host_seqlens(seqs: PackedSequences) -> list[int]:
+    if not seqs.seqlens:
+        seqs.seqlens = (seqs.cu_seqlens[1:] - seqs.cu_seqlens[:-1]).tolist()
+    return seqs.seqlens
+
+
+def reference_varlen(q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None,
+                     dropout: float = 0.0) -> torch.Tensor:
+    """Exact pure-torch varlen attention: SDPA on each sequence alone. Shapes as in the module docstring."""
+    if q.shape[1] != k.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    outs = []
+    for qs, ks, vs in zip(*(t.split(_host_seqlens(seqs), dim=0) for t in (q, k, v))):
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))  # (1, H, n, D)
+        mask = None
+        if window is not None and causal:
+            n = qs.shape[2]
+            pos = torch.arange(n, device=q.device)
+            mask = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < window)
+        out = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, dropout_p=dropout, is_causal=causal and mask is None, scale=scale
+        )
+        outs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+def torch_varlen(q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None,
+                 dropout: float = 0.0) -> torch.Tensor:
+    """``torch.nn.attention.varlen.varlen_attn``; handles torch releases without ``enable_gqa`` or ``scale``."""
+    fn = _compat.torch_varlen_attn()
+    params = _compat.torch_varlen_params()
+    if dropout:
+        raise ValueError("attn_backend='torch_varlen' has no dropout; set attention_dropout=0 or use flash_attn")
+    kwargs = {}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if "scale" in params:
+        kwargs["scale"] = scale
+    else:  # the kernel applies 1/sqrt(D); fold the requested scale into q
+        q = q * (scale * q.shape[-1] ** 0.5)
+    if "window_size" in params:
+        left = -1 if window is None else window - 1
+        kwargs["window_size"] = (left, 0) if causal else (-1, -1)
+    else:
+        if window is not None:
+            raise ValueError("this torch's varlen_attn has no sliding window; use attn_backend='flash_attn'")
+        kwargs["is_causal"] = causal
+    cu = seqs.cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return fn(q, k, v, cu, cu, seqs.max_seqlen, seqs.max_seqlen, **kwargs)
+
+
+def flash_attn(q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None,
+               dropout: float = 0.0) -> torch.Tensor:
+    """``flash_attn_varlen_func`` (FA3 interface if installed, else FA2); GQA is native to both."""
+    module = _compat.flash_attn_varlen_module()
+    cu = seqs.cu_seqlens.to(device=q.device, dtype=torch.int32)
+    kwargs = dict(softmax_scale=scale, causal=causal, window_size=(-1 if window is None else window - 1, 0 if causal else -1))
+    if module.__name__ == "flash_attn_interface":  # FA3 has no dropout argument
+        if dropout:
+            raise ValueError("FA3 has no attention dropout; set attention_dropout=0")
+    else:
+        kwargs["dropout_p"] = dropout
+    out = module.flash_attn_varlen_func(q, k, v, cu, cu, seqs.max_seqlen, seqs.max_seqlen, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+_BACKEND_FNS = {"flash_attn": flash_attn, "torch_varlen": torch_varlen, "reference": reference_varlen}
+
+
+def backend_available(name: str, device: torch.device) -> bool:
+    """Whether backend ``name`` can run on tensors living on ``device``."""
+    if name == "reference":
+        return True
+    if device.type != "cuda":
+        return False
+    if name == "torch_varlen":
+        return _compat.torch_varlen_attn() is not None
+    if name == "flash_attn":
+        return _compat.flash_attn_varlen_module() is not None
+    raise ValueError(f"unknown attn_backend {name!r}; choose one of {('auto',) + BACKENDS}")
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """``auto`` → the first available of flash_attn, torch_varlen, reference; a forced one must be available."""
+    if name == "auto":
+        return next(b for b in BACKENDS if backend_available(b, device))
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attn_backend {name!r}; choose one of {('auto',) + BACKENDS}")
+    if not backend_available(name, device):
+        need = "a CUDA device and the flash-attn package" if name == "flash_attn" else "a CUDA device and torch>=2.9"
+        raise RuntimeError(
+            f"attn_backend={name!r} is not available for tensors on {device} (needs {need}); "
+            "use attn_backend='auto' or 'reference'"
+        )
+    return name
+
+
+def varlen_attention(q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, backend: str = "auto",
+                     window: int | None = None, dropout: float = 0.0) -> torch.Tensor:
+    """Attention over a flat stream that never crosses a sequence boundary.
+
+    Args:
+        q (`torch.Tensor` of shape `(T, H_q, D)`), k, v (`torch.Tensor` of shape `(T, H_kv, D)`), with H_q % H_kv == 0.
+        seqs (`PackedSequences`): the boundaries.
+        causal (`bool`), scale (`float`): as in SDPA. window (`int`, *optional*): sliding-window size (causal only).
+        backend (`str`): ``auto`` or one of `BACKENDS`.
+
+    Returns:
+        `torch.Tensor` of shape `(T, H_q, D)`.
+    """
+    name = resolve_backend(backend, q.device)
+    return _BACKEND_FNS[name](q, k, v, seqs, causal=causal, scale=scale, window=window, dropout=dropout)
