@@ -29,8 +29,8 @@ Streaming (`buffer_size=k`): the input is planned in windows of k samples. After
 that are "full" (remaining room <= `close_threshold`, default 0.5% of `max_length`, or smaller than
 the shortest sample seen so far) are closed and emitted in creation order; the others stay open and
 are offered to the next window's samples, so the stream approaches whole-dataset fill. At most
-`max_open_bins` (default `buffer_size`) packs stay open; beyond that the fullest are closed. With
-`ffd`/`bfd` the residual open packs are re-planned once more at `flush()`. `next_fit` streaming is
+`max_open_bins` (default `buffer_size`) packs stay open; beyond that the fullest are closed.
+`next_fit` streaming is
 identical to whole-dataset `next_fit`; `balanced` plans every window independently (no carry-over).
 
 Trade-off, measured (synthetic LLaVA-like mix, 1M samples: lognormal lengths median 600 / p99 ~1800
@@ -511,14 +511,6 @@ class StreamingPlanner:
     def _window_bfd(
         self, idx: list[int], lens: list[int], imgs: list[int] | None, pats: list[int] | None, final: bool
     ) -> list[list[int]]:
-        packs = self._bfd_pass(idx, lens, imgs, pats, final)
-        if final and len(packs) > 1 and self.buffer_size is not None:
-            packs = self._replan_residual(packs)
-        return packs
-
-    def _bfd_pass(
-        self, idx: list[int], lens: list[int], imgs: list[int] | None, pats: list[int] | None, final: bool
-    ) -> list[list[int]]:
         ml = self.max_length
         sh = _SHIFT
         mask = _MASK
@@ -597,10 +589,6 @@ class StreamingPlanner:
             new_open[bid] = [items_of[bid], ml - rem_of[bid], img_of.get(bid, 0), pat_of.get(bid, 0)]
         self._open = new_open
         return self._close(self._select_closing(rems, final))
-
-    def _replan_residual(self, packs: list[list[int]]) -> list[list[int]]:
-        """Not used: kept for API symmetry (see `_window_bfd`)."""
-        return packs
 
     # ffd --------------------------------------------------------------------
     def _window_ffd(
@@ -696,18 +684,23 @@ class StreamingPlanner:
                 k = max(k, -(-sum(s_pat) // self.max_vision_patches))
         k = min(k, n)
 
-        def attempt(nb: int) -> list[list[int]] | None:
+        total = sum(s_len)
+
+        def attempt(nb: int) -> tuple[list[list[int]] | None, int]:
+            """Greedy assignment into `nb` bins; returns (bins, max load) or (None, -1) if media-infeasible.
+
+            Token room is not enforced during the pass: the least-loaded bin is the only candidate on
+            tokens, so the pass is feasible exactly when its final max load is <= max_length.
+            """
             heap = [(0, b) for b in range(nb)]
             bins: list[list[int]] = [[] for _ in range(nb)]
             if s_img is None:
                 replace = heapq.heapreplace
                 for x, length in zip(s_idx, s_len):
                     load, b = heap[0]
-                    if load + length > ml:
-                        return None
                     replace(heap, (load + length, b))
                     bins[b].append(x)
-                return bins
+                return bins, max(load for load, _ in heap)
             bimg = [0] * nb
             bpat = [0] * nb
             for j, length in enumerate(s_len):
@@ -716,9 +709,6 @@ class StreamingPlanner:
                 placed = False
                 while heap:
                     load, b = heapq.heappop(heap)
-                    if load + length > ml:
-                        stash.append((load, b))
-                        break  # least-loaded does not fit tokens: nothing does
                     if bimg[b] + im <= mi and bpat[b] + pa <= mp:
                         bins[b].append(s_idx[j])
                         bimg[b] += im
@@ -730,28 +720,25 @@ class StreamingPlanner:
                 for item in stash:
                     heapq.heappush(heap, item)
                 if not placed:
-                    return None
-            return bins
+                    return None, -1
+            return bins, max(load for load, _ in heap)
 
-        # k, k+1, k+3, k+7, ... until feasible, then bisect back down. k = n always works.
-        result = attempt(k)
-        if result is None:
-            lo, step = k, 1
-            while True:
-                k = min(n, lo + step)
-                result = attempt(k)
-                if result is not None:
-                    break
-                lo, step = k, step * 2
-            hi = k
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                r = attempt(mid)
-                if r is None:
-                    lo = mid
-                else:
-                    hi, result = mid, r
-        packs = [b for b in result if b]
+        # Infeasible k: the final spread (max load - mean load) barely depends on k, so jump to the k
+        # whose mean leaves room for it; repeat (always at least +1) until feasible. k = n always works.
+        while True:
+            bins, max_load = attempt(k)
+            if bins is not None and max_load <= ml:
+                break
+            if bins is None:
+                k_new = k + max(1, k // 4)
+            else:
+                room = ml - (max_load - total / k)
+                k_new = math.ceil(total / room) if room > 0 else 2 * k
+            k = min(n, max(k + 1, k_new))
+        return self._emit_balanced(bins)
+
+    def _emit_balanced(self, bins: list[list[int]]) -> list[list[int]]:
+        packs = [b for b in bins if b]
         self._next_id += len(packs)
         return packs
 

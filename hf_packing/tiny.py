@@ -176,6 +176,7 @@ def _train_tokenizer() -> tuple[dict[str, int], list[tuple[str, str]]]:
 
 
 def _build_tokenizer() -> Any:
+    """Wrap the trained BPE in `Qwen2Tokenizer` (the real checkpoints' class) with Qwen's special-token setup."""
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 

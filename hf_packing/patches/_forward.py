@@ -160,6 +160,9 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: dict[str, 
         batch, length = input_ids.shape
 
         indices, seqs = _boundaries(input_ids, attention_mask, cu_seqlens, self.config)
+        flat_ids = input_ids.flatten().index_select(0, indices).unsqueeze(0)
+        if image_grid_thw is not None or video_grid_thw is not None:
+            check_placeholders(self.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
         if position_ids is None:
             if len(seqs.seqlens) != batch:
                 raise ValueError(
@@ -173,9 +176,6 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: dict[str, 
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         elif position_ids.shape[0] == 4:  # transformers' packed form: text row + 3 M-RoPE rows
             position_ids = position_ids[1:]
-        flat_ids = input_ids.flatten().index_select(0, indices).unsqueeze(0)
-        if image_grid_thw is not None or video_grid_thw is not None:
-            check_placeholders(self.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
         flat_pos = position_ids.flatten(1).index_select(1, indices).unsqueeze(1)
         flat_types = None if mm_token_type_ids is None else mm_token_type_ids.flatten().index_select(0, indices)[None]
         model_kwargs = dict(kwargs)

@@ -1,0 +1,249 @@
+"""`VisionCollator`: a drop-in ``data_collator`` turning packs of processed samples into model batches.
+
+``mode="rows"`` (default) pads one sample per row, for the rmpad patch (or any unpatched model)::
+
+    pack [a(3), b(5)], [c(1)]  ──►  input_ids      a a a 0 0     attention_mask 1 1 1 0 0     cu_seqlens [0,3,8,9]
+                                                   b b b b b                    1 1 1 1 1     max_seqlen 5
+                                                   c 0 0 0 0                    1 0 0 0 0
+
+``mode="flat"`` concatenates everything into one row with no padding and no attention_mask, for
+transformers' own packed path (flash_attention_2, or sdpa, which builds a block mask from the text row)::
+
+    input_ids      a a a b b b b b c                cu_seq_lens_q/k [0,3,8,9], max_length_q/k 5
+    position_ids   0 1 2 0 1 2 3 4 0   (text row)   + 3 M-RoPE rows, each computed per sample
+    labels         - a a - b b b b -   (-: -100; a sample's first token is never a target)
+
+In both modes every sample's first label is -100: a first token has no previous token in its sample,
+so it can never be a target, and masking it keeps the Trainer's ``num_items_in_batch`` count exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("hf_packing")
+
+IGNORE_INDEX = -100
+_CONCAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def _as_long(x: Any) -> torch.Tensor:
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+    return t.reshape(-1).long()
+
+
+def _family_of(processor) -> str | None:
+    name = type(processor).__name__.lower()
+    for model_type in ("qwen3_vl", "qwen2_5_vl", "qwen2_vl"):
+        if name.startswith(model_type.replace("_", "")):
+            return model_type
+    return None
+
+
+class RopeIndex:
+    """The model's own ``get_rope_index``, callable without a model instance (only its config).
+
+    Binds the class's methods to this light object, so DataLoader workers can compute M-RoPE positions
+    per sample exactly as the model would, without pickling weights.
+    """
+
+    def __init__(self, config) -> None:
+        from .patches._spec import FAMILIES
+
+        spec = FAMILIES[config.model_type]
+        self.config = config
+        self._cls = getattr(spec.load(), spec.model_class.replace("ForConditionalGeneration", "Model"))
+        self._extra = spec.rope_kwargs
+
+    def __getattr__(self, name: str):
+        return getattr(self._cls, name).__get__(self)
+
+    def __call__(self, sample: Mapping[str, Any], input_ids: torch.Tensor, mm_types: torch.Tensor) -> torch.Tensor:
+        """``(3, n)`` positions of one sample."""
+        image_grid, video_grid = sample.get("image_grid_thw"), sample.get("video_grid_thw")
+        if image_grid is None and video_grid is None:
+            return torch.arange(input_ids.numel()).expand(3, -1)
+        extra = {k: sample[k] for k in self._extra if sample.get(k) is not None}
+        positions, _ = self.get_rope_index(
+            input_ids[None], mm_token_type_ids=mm_types[None], image_grid_thw=image_grid,
+            video_grid_thw=video_grid, attention_mask=None, **extra,
+        )
+        return positions[:, 0]
+
+
+class VisionCollator:
+    """Collate packs (lists of processed samples) or single samples into a batch.
+
+    Args:
+        processor: the model's processor (gives ``pad_token_id``, padding side, image/video token ids, patch size).
+        mode (`str`): ``"rows"`` (one sample per padded row) or ``"flat"`` (one unpadded row).
+        model_config (`PretrainedConfig`, *optional*): the model's config. Enables M-RoPE position ids computed
+            here, per sample, with the model's own rope-index rule (required for ``"flat"``; in ``"rows"`` it
+            moves that Python loop off the training step into DataLoader workers).
+        pad_to_multiple_of (`int`, *optional*): pad rows (``"rows"``) to a multiple of this length.
+        return_cu_seqlens (`bool`, *optional*): add ``cu_seqlens`` / ``max_seqlen`` in ``"rows"`` mode. By default
+            only while `apply_rmpad` is active for this family: an unpatched model would hand a ``cu_seqlens``
+            key to its vision tower, which reads it as its own.
+
+    Returns (``__call__``), ``"rows"``: ``input_ids``/``labels``/``attention_mask``/``mm_token_type_ids`` ``(B, L)``,
+    the concatenated vision tensors, optional ``position_ids (3, B, L)``, ``cu_seqlens`` int32 ``(B+1,)`` and
+    ``max_seqlen`` int. ``"flat"``: ``(1, T)`` tensors, ``position_ids (4, 1, T)``, ``cu_seq_lens_q/k``,
+    ``max_length_q/k``.
+    """
+
+    def __init__(self, processor=None, *, mode: str = "rows", model_config=None, pad_to_multiple_of: int | None = None,
+                 return_cu_seqlens: bool | None = None, pad_token_id: int | None = None,
+                 padding_side: str | None = None) -> None:
+        if mode not in ("rows", "flat"):
+            raise ValueError(f"mode must be 'rows' or 'flat', got {mode!r}")
+        if mode == "flat" and model_config is None:
+            raise ValueError("mode='flat' needs model_config=model.config to compute per-sample M-RoPE position ids")
+        tokenizer = getattr(processor, "tokenizer", processor)
+        self.mode = mode
+        self.pad_token_id = pad_token_id if pad_token_id is not None else getattr(tokenizer, "pad_token_id", None) or 0
+        self.padding_side = padding_side or getattr(tokenizer, "padding_side", "right")
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.return_cu_seqlens = return_cu_seqlens
+        self.family = model_config.model_type if model_config is not None else _family_of(processor)
+        self.rope_index = RopeIndex(model_config) if model_config is not None else None
+        self.image_token_id = getattr(processor, "image_token_id", None) or getattr(model_config, "image_token_id", None)
+        self.video_token_id = getattr(processor, "video_token_id", None) or getattr(model_config, "video_token_id", None)
+        image_processor = getattr(processor, "image_processor", None)
+        self.merge = getattr(image_processor, "merge_size", None) or getattr(
+            getattr(model_config, "vision_config", None), "spatial_merge_size", 2
+        )
+        self.patch_dim = None
+        if image_processor is not None and hasattr(image_processor, "patch_size"):
+            self.patch_dim = 3 * image_processor.temporal_patch_size * image_processor.patch_size**2
+
+    # ------------------------------------------------------------------------------------------ input checks
+    def _flatten(self, features: Sequence[Any]) -> list[Mapping[str, Any]]:
+        if features is None or len(features) == 0:
+            raise ValueError("VisionCollator got an empty batch; check the dataset yields packs or samples")
+        samples = []
+        for item in features:
+            samples.extend(item if isinstance(item, (list, tuple)) else [item])
+        if not samples:
+            raise ValueError("VisionCollator got only empty packs")
+        return samples
+
+    def _check(self, index: int, sample: Mapping[str, Any], ids: torch.Tensor) -> None:
+        if ids.numel() == 0:
+            raise ValueError(f"sample {index} has no tokens")
+        for kind, token, grid_key, pix_key in (
+            ("image", self.image_token_id, "image_grid_thw", "pixel_values"),
+            ("video", self.video_token_id, "video_grid_thw", "pixel_values_videos"),
+        ):
+            grid = sample.get(grid_key)
+            count = int((ids == token).sum()) if token is not None else 0
+            expected = 0 if grid is None else int(torch.as_tensor(grid).prod(-1).sum()) // self.merge**2
+            if token is not None and count != expected:
+                raise ValueError(
+                    f"sample {index}: {count} {kind} placeholder tokens but {grid_key} implies {expected}; "
+                    "the sample was processed with a different processor or its text was truncated"
+                )
+            pixels = sample.get(pix_key)
+            if pixels is not None and self.patch_dim is not None and torch.as_tensor(pixels).shape[-1] != self.patch_dim:
+                raise ValueError(
+                    f"sample {index}: {pix_key} has patch dim {torch.as_tensor(pixels).shape[-1]} but this processor "
+                    f"makes {self.patch_dim}; samples from different processors cannot share a batch"
+                )
+
+    def _emit_cu_seqlens(self) -> bool:
+        if self.return_cu_seqlens is not None:
+            return self.return_cu_seqlens
+        from .patches import is_applied
+
+        return self.family is not None and is_applied(self.family)
+
+    # ------------------------------------------------------------------------------------------ collation
+    def __call__(self, features: Sequence[Any]) -> dict[str, Any]:
+        samples = self._flatten(features)
+        ids, labels, types, positions = [], [], [], []
+        for index, sample in enumerate(samples):
+            if "input_ids" not in sample:
+                raise ValueError(f"sample {index} has no 'input_ids'; keys are {sorted(sample)}")
+            sample_ids = _as_long(sample["input_ids"])
+            self._check(index, sample, sample_ids)
+            sample_labels = _as_long(sample["labels"]).clone() if sample.get("labels") is not None else sample_ids.clone()
+            if sample_labels.numel() != sample_ids.numel():
+                raise ValueError(f"sample {index}: labels has {sample_labels.numel()} tokens, input_ids {sample_ids.numel()}")
+            sample_labels[0] = IGNORE_INDEX
+            if sample.get("mm_token_type_ids") is not None:
+                sample_types = _as_long(sample["mm_token_type_ids"])
+            else:
+                sample_types = torch.zeros_like(sample_ids)
+                if self.image_token_id is not None:
+                    sample_types[sample_ids == self.image_token_id] = 1
+                if self.video_token_id is not None:
+                    sample_types[sample_ids == self.video_token_id] = 2
+            sample_labels[sample_types != 0] = IGNORE_INDEX
+            ids.append(sample_ids)
+            labels.append(sample_labels)
+            types.append(sample_types)
+            if self.rope_index is not None:
+                positions.append(self.rope_index(sample, sample_ids, sample_types))
+        batch = self._rows(ids, labels, types, positions) if self.mode == "rows" else self._flat(ids, labels, types, positions)
+        batch.update(self._vision(samples))
+        return batch
+
+    def _rows(self, ids, labels, types, positions) -> dict[str, Any]:
+        lengths = [t.numel() for t in ids]
+        width = max(lengths)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch_size = len(ids)
+        out = {
+            "input_ids": torch.full((batch_size, width), self.pad_token_id, dtype=torch.long),
+            "labels": torch.full((batch_size, width), IGNORE_INDEX, dtype=torch.long),
+            "attention_mask": torch.zeros((batch_size, width), dtype=torch.long),
+            "mm_token_type_ids": torch.zeros((batch_size, width), dtype=torch.long),
+        }
+        if positions:
+            out["position_ids"] = torch.zeros((3, batch_size, width), dtype=torch.long)
+        for row, n in enumerate(lengths):
+            cols = slice(0, n) if self.padding_side == "right" else slice(width - n, width)
+            out["input_ids"][row, cols] = ids[row]
+            out["labels"][row, cols] = labels[row]
+            out["attention_mask"][row, cols] = 1
+            out["mm_token_type_ids"][row, cols] = types[row]
+            if positions:
+                out["position_ids"][:, row, cols] = positions[row]
+        if self._emit_cu_seqlens():
+            out["cu_seqlens"] = _cu_seqlens(lengths)
+            out["max_seqlen"] = max(lengths)
+        return out
+
+    def _flat(self, ids, labels, types, positions) -> dict[str, Any]:
+        lengths = [t.numel() for t in ids]
+        text_positions = torch.cat([torch.arange(n) for n in lengths])
+        cu = _cu_seqlens(lengths)
+        return {
+            "input_ids": torch.cat(ids)[None],
+            "labels": torch.cat(labels)[None],
+            "mm_token_type_ids": torch.cat(types)[None],
+            "position_ids": torch.cat([text_positions[None], torch.cat(positions, dim=1)], dim=0)[:, None, :],
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": max(lengths),
+            "max_length_k": max(lengths),
+        }
+
+    @staticmethod
+    def _vision(samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        out = {}
+        for key in _CONCAT_KEYS:
+            parts = [torch.as_tensor(s[key]) for s in samples if s.get(key) is not None]
+            if parts:
+                out[key] = torch.cat([p.reshape(-1) if key == "second_per_grid_ts" else p for p in parts])
+        return out
+
+
+def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    return cu

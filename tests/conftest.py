@@ -1,0 +1,86 @@
+"""Shared helpers: tiny local processors (tests/fixtures/<model_type>) and mixed padded batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+def image(width: int, height: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def video(frames: int = 4, width: int = 84, height: int = 56, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, (frames, height, width, 3), dtype=np.uint8)
+
+
+def load_processor(model_type: str, padding_side: str = "right"):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(FIXTURES / model_type)
+    processor.tokenizer.padding_side = padding_side
+    return processor
+
+
+def conversations(with_video: bool = True) -> list[tuple[list[dict], list, list]]:
+    """(messages, images, videos) of very different lengths: text-only, 1 image, 2 images, multi-turn, video."""
+    user = lambda *parts: {"role": "user", "content": list(parts)}  # noqa: E731
+    bot = lambda text: {"role": "assistant", "content": [{"type": "text", "text": text}]}  # noqa: E731
+    txt = lambda text: {"type": "text", "text": text}  # noqa: E731
+    img = {"type": "image"}
+    rows = [
+        ([user(txt("Hi")), bot("Hello, how can I help?")], [], []),
+        ([user(img, txt("Describe the image in detail.")), bot("A red car near a small house.")], [image(56, 84, 1)], []),
+        ([user(img, img, txt("Compare them.")), bot("The first is wider than the second one by far, and darker.")],
+         [image(112, 56, 2), image(56, 56, 3)], []),
+        ([user(txt("What is this?"), img), bot("A dog."), user(txt("And the colour?")), bot("Brown and white.")],
+         [image(84, 84, 4)], []),
+    ]
+    if with_video:
+        rows.append(([user({"type": "video"}, txt("What happens?")), bot("A person walks along the beach, then the camera turns to the sea and follows the waves for a while.")], [], [video()]))
+    return rows
+
+
+def processed_batch(processor, rows=None) -> dict[str, torch.Tensor]:
+    """A padded batch straight from the processor; labels supervise text, never padding, vision or a row's first token."""
+    rows = conversations() if rows is None else rows
+    texts = [processor.apply_chat_template(messages, tokenize=False) for messages, _, _ in rows]
+    images = [im for _, ims, _ in rows for im in ims] or None
+    videos = [v for _, _, vs in rows for v in vs] or None
+    batch = dict(processor(text=texts, images=images, videos=videos, padding=True, return_tensors="pt",
+                           videos_kwargs={"do_sample_frames": False}))
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    labels = labels.masked_fill(batch["mm_token_type_ids"] != 0, -100)
+    first = batch["attention_mask"].long().argmax(dim=1)
+    labels[torch.arange(labels.shape[0]), first] = -100
+    batch["labels"] = labels
+    return batch
+
+
+def processed_samples(processor, rows=None) -> list[dict[str, torch.Tensor]]:
+    """The same conversations processed one by one (1-D tensors), as the packer yields them."""
+    rows = conversations() if rows is None else rows
+    samples = []
+    for messages, images, videos in rows:
+        one = processed_batch(processor, [(messages, images, videos)])
+        samples.append({k: (v[0] if k in ("input_ids", "labels", "attention_mask", "mm_token_type_ids") else v)
+                        for k, v in one.items()})
+    return samples
+
+
+@pytest.fixture(autouse=True)
+def _always_revert():
+    """Patches are class-level; no test may leak them into the next."""
+    yield
+    import sys
+
+    if "hf_packing.patches" in sys.modules:
+        sys.modules["hf_packing.patches"].revert_rmpad()

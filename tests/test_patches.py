@@ -1,0 +1,254 @@
+"""The central contract: the patched model equals the unpatched model (loss and every gradient) on one padded batch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_packing
+from hf_packing.patches import _attention, revert_rmpad
+from hf_packing.tiny import build_tiny_model
+from tests.conftest import FIXTURES, MODEL_TYPES, conversations, load_processor, processed_batch
+
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+
+
+def loss_and_grads(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_equivalent(ref, got, label: str = "") -> None:
+    (ref_loss, ref_grads), (loss, grads) = ref, got
+    loss_err = abs(loss - ref_loss) / abs(ref_loss)
+    assert ref_grads.keys() == grads.keys(), set(ref_grads) ^ set(grads)
+    errs = {n: ((grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in ref_grads.items()}
+    worst = max(errs, key=errs.get)
+    print(f"{label}: loss {ref_loss:.6f} vs {loss:.6f} (rel {loss_err:.2e}); worst grad rel {errs[worst]:.2e} ({worst})")
+    assert loss_err <= LOSS_RTOL
+    assert errs[worst] <= GRAD_RTOL, worst
+
+
+def model_and_processor(model_type: str, padding_side: str = "right"):
+    processor = load_processor(model_type, padding_side)
+    return build_tiny_model(model_type, processor_dir=FIXTURES / model_type), processor
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_patched_equals_unpatched(model_type, padding_side):
+    model, processor = model_and_processor(model_type, padding_side)
+    batch = processed_batch(processor)
+    assert batch["input_ids"].shape[0] == 5 and batch["attention_mask"].sum(1).unique().numel() == 5
+    ref = loss_and_grads(model, batch)
+    hf_packing.apply_rmpad(model_type)
+    assert_equivalent(ref, loss_and_grads(model, batch), f"{model_type}/{padding_side}")
+
+
+def test_moe_router_loss_matches():
+    model, processor = model_and_processor("qwen3_vl_moe")
+    batch = processed_batch(processor, conversations(with_video=False)) | {"output_router_logits": True}
+    ref = loss_and_grads(model, batch)
+    hf_packing.apply_rmpad("qwen3_vl_moe")
+    assert_equivalent(ref, loss_and_grads(model, batch), "moe+aux")
+
+
+def test_token_level_accumulation():
+    """Two micro-batches scaled by the Trainer's num_items_in_batch give the gradient of one batch of both."""
+    model, processor = model_and_processor("qwen2_5_vl")
+    rows = conversations(with_video=False)
+    hf_packing.apply_rmpad("qwen2_5_vl")
+    whole = processed_batch(processor, rows)
+    first, second = processed_batch(processor, rows[:1]), processed_batch(processor, rows[1:])
+    count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in (first, second))  # the Trainer's count
+    model.zero_grad(set_to_none=True)
+    for micro in (first, second):
+        model(**micro, num_items_in_batch=torch.tensor(count)).loss.backward()
+    accumulated = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert_equivalent(loss_and_grads(model, whole), (loss_and_grads(model, whole)[0], accumulated), "accumulation")
+
+
+def test_trainer_passes_num_items_after_apply():
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    assert Qwen2_5_VLForConditionalGeneration.accepts_loss_kwargs is False
+    hf_packing.apply_rmpad("qwen2_5_vl")
+    assert Qwen2_5_VLForConditionalGeneration.accepts_loss_kwargs is True
+
+
+def test_revert_restores_identical_objects():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as mod
+
+    before = (mod.Qwen3VLForConditionalGeneration.__dict__["forward"], mod.is_flash_attention_requested,
+              dict(ALL_ATTENTION_FUNCTIONS._global_mapping))
+    hf_packing.apply_rmpad()
+    hf_packing.apply_rmpad(attn_backend="reference")  # twice is harmless
+    patched = mod.Qwen3VLForConditionalGeneration.__dict__["forward"]
+    assert patched is not before[0] and patched.hf_packing_original is before[0]
+    assert ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"].__wrapped__ is before[2]["sdpa"]
+    revert_rmpad()
+    assert mod.Qwen3VLForConditionalGeneration.__dict__["forward"] is before[0]
+    assert mod.Qwen3VLForConditionalGeneration.__dict__["accepts_loss_kwargs"] is False
+    assert mod.is_flash_attention_requested is before[1]
+    assert all(ALL_ATTENTION_FUNCTIONS._global_mapping[k] is v for k, v in before[2].items())
+    revert_rmpad()  # reverting twice is harmless too
+
+
+def test_partial_revert_keeps_other_families():
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as mod2
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as mod3
+
+    hf_packing.apply_rmpad(["qwen2_vl", "qwen3_vl"])
+    revert_rmpad("qwen2_vl")
+    assert not hasattr(mod2.Qwen2VLForConditionalGeneration.__dict__["forward"], "hf_packing_original")
+    assert hasattr(mod3.Qwen3VLForConditionalGeneration.__dict__["forward"], "hf_packing_original")
+    assert mod3.Qwen3VLTextAttention in _attention.STATE["text_classes"]
+
+
+def test_clear_errors_at_apply_time(monkeypatch):
+    with pytest.raises(ValueError, match="supports \\['qwen2_vl'"):
+        hf_packing.apply_rmpad("llava")
+    with pytest.raises(ValueError, match="attn_backend"):
+        hf_packing.apply_rmpad(attn_backend="xformers")
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    with pytest.raises(RuntimeError, match="transformers >=5.17,<5.24; found 4.57.1"):
+        hf_packing.apply_rmpad()
+
+
+def test_import_is_side_effect_free():
+    code = "import hf_packing, sys; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+def test_bad_attention_masks_name_the_row():
+    model, processor = model_and_processor("qwen2_vl")
+    batch = processed_batch(processor, conversations(with_video=False))
+    hf_packing.apply_rmpad("qwen2_vl")
+    holed = dict(batch, attention_mask=batch["attention_mask"].clone())
+    holed["attention_mask"][2, 3] = 0
+    with pytest.raises(ValueError, match="row 2 has a hole"):
+        model(**holed)
+    weird = dict(batch, attention_mask=batch["attention_mask"] * 2)
+    with pytest.raises(ValueError, match="row 0 has values other than 0 and 1"):
+        model(**weird)
+
+
+def test_placeholder_mismatch_names_the_row():
+    model, processor = model_and_processor("qwen2_5_vl")
+    batch = processed_batch(processor, conversations(with_video=False))
+    hf_packing.apply_rmpad("qwen2_5_vl")
+    grids = batch["image_grid_thw"].clone()
+    grids[[0, 1]] = grids[[1, 0]]  # same total, but rows 1 and 2 now disagree with their grids
+    if torch.equal(grids, batch["image_grid_thw"]):
+        pytest.skip("images have equal grids")
+    with pytest.raises(ValueError, match="row 1 has .* image placeholder tokens"):
+        model(**dict(batch, image_grid_thw=grids))
+
+
+def test_eval_no_grad_and_logits_shape():
+    model, processor = model_and_processor("qwen3_vl", "left")
+    batch = processed_batch(processor)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    model.eval()
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        hf_packing.apply_rmpad("qwen3_vl")
+        got = model(**inputs).logits
+        labelled = model(**batch)
+    mask = batch["attention_mask"].bool()
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got[mask], ref[mask], rtol=1e-4, atol=1e-5)
+    assert labelled.logits is None and torch.isfinite(labelled.loss)
+
+
+def test_generation_falls_back_to_original_forward():
+    model, processor = model_and_processor("qwen2_5_vl", "left")
+    batch = processed_batch(processor, conversations(with_video=False)[:2])
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    model.eval()
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id)
+    ref = model.generate(**inputs, **kwargs)
+    hf_packing.apply_rmpad("qwen2_5_vl")
+    assert torch.equal(model.generate(**inputs, **kwargs), ref)
+
+
+def test_gradient_checkpointing_equivalent():
+    model, processor = model_and_processor("qwen3_vl")
+    batch = processed_batch(processor, conversations(with_video=False))
+    ref = loss_and_grads(model, batch)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    hf_packing.apply_rmpad("qwen3_vl")
+    assert_equivalent(ref, loss_and_grads(model, batch), "grad-ckpt")
+
+
+def test_peft_lora_equivalent():
+    peft = pytest.importorskip("peft")
+    model, processor = model_and_processor("qwen2_5_vl")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(model, config)
+    batch = processed_batch(processor, conversations(with_video=False))
+    ref = loss_and_grads(model, batch)
+    hf_packing.apply_rmpad("qwen2_5_vl")
+    assert_equivalent(ref, loss_and_grads(model, batch), "lora")
+
+
+def test_dummy_vision_touches_vision_tower_with_zero_weight():
+    model, processor = model_and_processor("qwen3_vl")
+    batch = processed_batch(processor, conversations()[:1])  # text only
+    hf_packing.apply_rmpad("qwen3_vl")
+    plain_loss, plain = loss_and_grads(model, batch)
+    assert not any(n.startswith("model.visual") for n in plain)
+    hf_packing.apply_rmpad("qwen3_vl", dummy_vision=True)
+    loss, grads = loss_and_grads(model, batch)
+    visual = [g for n, g in grads.items() if n.startswith("model.visual")]
+    assert loss == plain_loss and visual and all(torch.count_nonzero(g) == 0 for g in visual)
+
+
+def test_flash_attn_wiring_with_stand_in(monkeypatch):
+    """The flash_attn backend's call contract, checked by a stand-in module that computes with the reference."""
+    from types import ModuleType
+
+    from hf_packing import _compat, varlen
+
+    calls = []
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1)):
+        assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q is cu_seqlens_k or torch.equal(cu_seqlens_q, cu_seqlens_k)
+        assert type(max_seqlen_q) is int and max_seqlen_q == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        assert q.dim() == 3 and q.shape[1] % k.shape[1] == 0
+        assert window_size == ((-1, 0) if causal else (-1, -1))
+        assert softmax_scale == pytest.approx(q.shape[-1] ** -0.5)
+        calls.append(causal)
+        seqs = varlen.PackedSequences(cu_seqlens_q, max_seqlen_q)
+        return varlen.reference_varlen(q, k, v, seqs, causal=causal, scale=softmax_scale)
+
+    fake = ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = flash_attn_varlen_func
+    monkeypatch.setattr(_compat, "flash_attn_varlen_module", lambda: fake)
+    monkeypatch.setattr(varlen, "backend_available", lambda name, device: True)
+    model, processor = model_and_processor("qwen2_5_vl")
+    batch = processed_batch(processor, conversations(with_video=False))
+    ref = loss_and_grads(model, batch)
+    hf_packing.apply_rmpad("qwen2_5_vl", attn_backend="flash_attn")
+    assert_equivalent(ref, loss_and_grads(model, batch), "flash stand-in")
+    n_text, n_vision = model.config.text_config.num_hidden_layers, model.config.vision_config.depth
+    assert calls.count(True) == n_text and calls.count(False) == n_vision  # the vision tower went varlen too
+
+
+def test_unsupported_attn_implementation_is_refused():
+    model, processor = model_and_processor("qwen2_vl")
+    model.set_attn_implementation("eager")
+    hf_packing.apply_rmpad("qwen2_vl")
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        model(**processed_batch(processor, conversations(with_video=False)))
