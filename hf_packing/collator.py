@@ -13,6 +13,9 @@ transformers' own packed path (flash_attention_2, or sdpa, which builds a block 
     position_ids   0 1 2 0 1 2 3 4 0   (text row)   + 3 M-RoPE rows, each computed per sample
     labels         - a a - b b b b -   (-: -100; a sample's first token is never a target)
 
+The flat batch carries ``use_cache=False``: with the default cache, transformers 5.17-5.23 skips
+packed-sequence detection and sdpa silently lets samples attend to each other.
+
 In both modes every sample's first label is -100: a first token has no previous token in its sample,
 so it can never be a target, and masking it keeps the Trainer's ``num_items_in_batch`` count exact.
 """
@@ -231,6 +234,8 @@ class VisionCollator:
             "cu_seq_lens_k": cu,
             "max_length_q": max(lengths),
             "max_length_k": max(lengths),
+            # With a cache, transformers skips packed-sequence detection and sdpa attends across samples.
+            "use_cache": False,
         }
 
     @staticmethod

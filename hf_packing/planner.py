@@ -80,10 +80,6 @@ STRATEGIES: tuple[str, ...] = ("next_fit", "ffd", "bfd", "balanced")
 # bin keeps `bisect` on the C fast path; ties on remaining room go to the oldest bin.
 _SHIFT = 40
 _MASK = (1 << _SHIFT) - 1
-# With image/patch budgets, at most this many token-feasible bins are inspected per sample before a
-# new bin is opened. Keeps the worst case O(n log n); in practice the first candidate almost always
-# fits.
-_MAX_SCAN = 256
 _STATE_VERSION = 1
 
 
@@ -511,89 +507,150 @@ class StreamingPlanner:
     def _window_bfd(
         self, idx: list[int], lens: list[int], imgs: list[int] | None, pats: list[int] | None, final: bool
     ) -> list[list[int]]:
+        s_idx, s_len, s_img, s_pat = self._sorted_window(idx, lens, imgs, pats)
+        if s_img is None:
+            rems = self._bfd_tokens_only(s_idx, s_len)
+        else:
+            assert s_pat is not None
+            rems = self._bfd_media(s_idx, s_len, s_img, s_pat)
+        return self._close(self._select_closing(rems, final))
+
+    def _bfd_tokens_only(self, s_idx: list[int], s_len: list[int]) -> list[tuple[int, int]]:
+        """Best fit on tokens: bisect over sorted keys `remaining << _SHIFT | bin_id`."""
         ml = self.max_length
         sh = _SHIFT
         mask = _MASK
         open_bins = self._open
         items_of: dict[int, list[int]] = {bid: b[0] for bid, b in open_bins.items()}
         keys = sorted(((ml - b[1]) << sh) | bid for bid, b in open_bins.items())
-        s_idx, s_len, s_img, s_pat = self._sorted_window(idx, lens, imgs, pats)
         next_id = self._next_id
         bl = bisect_left
-        if s_img is None:
-            # Lengths-only fast path.
-            for x, length in zip(s_idx, s_len):
-                need = length << sh
-                pos = bl(keys, need)
-                if pos < len(keys):
-                    k = keys[pos] - need
-                    new_pos = bl(keys, k, 0, pos)
-                    if new_pos == pos:
-                        keys[pos] = k
-                    else:
-                        del keys[pos]
-                        keys.insert(new_pos, k)
-                    items_of[k & mask].append(x)
+        for x, length in zip(s_idx, s_len):
+            need = length << sh
+            pos = bl(keys, need)
+            if pos < len(keys):
+                k = keys[pos] - need
+                new_pos = bl(keys, k, 0, pos)
+                if new_pos == pos:
+                    keys[pos] = k
                 else:
-                    k = ((ml - length) << sh) | next_id
-                    keys.insert(bl(keys, k), k)
-                    items_of[next_id] = [x]
-                    next_id += 1
-            img_of: dict[int, int] = {}
-            pat_of: dict[int, int] = {}
-        else:
-            assert s_pat is not None
-            mi, mp = self._media_limits()
-            img_of = {bid: b[2] for bid, b in open_bins.items()}
-            pat_of = {bid: b[3] for bid, b in open_bins.items()}
-            for x, length, im, pa in zip(s_idx, s_len, s_img, s_pat):
-                need = length << sh
-                pos = bl(keys, need)
-                n = len(keys)
-                lim = pos + _MAX_SCAN if pos + _MAX_SCAN < n else n
-                mi_left = mi - im
-                mp_left = mp - pa
-                while pos < lim:
-                    bid = keys[pos] & mask
-                    if img_of[bid] <= mi_left and pat_of[bid] <= mp_left:
-                        break
-                    pos += 1
-                else:
-                    pos = n
-                if pos < n:
-                    k = keys[pos] - need
-                    bid = k & mask
-                    new_pos = bl(keys, k, 0, pos)
-                    if new_pos == pos:
-                        keys[pos] = k
-                    else:
-                        del keys[pos]
-                        keys.insert(new_pos, k)
-                    items_of[bid].append(x)
-                    img_of[bid] += im
-                    pat_of[bid] += pa
-                else:
-                    bid = next_id
-                    next_id += 1
-                    k = ((ml - length) << sh) | bid
-                    keys.insert(bl(keys, k), k)
-                    items_of[bid] = [x]
-                    img_of[bid] = im
-                    pat_of[bid] = pa
+                    del keys[pos]
+                    keys.insert(new_pos, k)
+                items_of[k & mask].append(x)
+            else:
+                k = ((ml - length) << sh) | next_id
+                keys.insert(bl(keys, k), k)
+                items_of[next_id] = [x]
+                next_id += 1
         self._next_id = next_id
-        # Write back bins in creation order (bin ids are increasing), then close.
         rems = [(k >> sh, k & mask) for k in keys]
-        rem_of = dict((bid, r) for r, bid in rems)
-        new_open: dict[int, list[Any]] = {}
-        for bid in sorted(items_of):
-            new_open[bid] = [items_of[bid], ml - rem_of[bid], img_of.get(bid, 0), pat_of.get(bid, 0)]
-        self._open = new_open
-        return self._close(self._select_closing(rems, final))
+        rem_of = {bid: r for r, bid in rems}
+        # Bin ids only grow, so sorting them restores creation order.
+        self._open = {bid: [items_of[bid], ml - rem_of[bid], 0, 0] for bid in sorted(items_of)}
+        return rems
+
+    def _bfd_media(
+        self, s_idx: list[int], s_len: list[int], s_img: list[int], s_pat: list[int]
+    ) -> list[tuple[int, int]]:
+        """Best fit with image/patch budgets: a max segment tree indexed by remaining token room.
+
+        Leaf `r` holds the open bins with exactly `r` tokens of room and stores the largest image
+        room and patch room among them; inner nodes store the maxima of their children. The query
+        walks right from leaf `length` and returns the smallest room `r >= length` holding a bin
+        that fits every budget (ties: oldest bin). The maxima of a node may come from different
+        bins, so the walk backtracks past such nodes; it stays exact.
+        """
+        ml = self.max_length
+        mi, mp = self._media_limits()
+        size = 1
+        while size < ml + 1:
+            size <<= 1
+        imx = [-1] * (2 * size)
+        pmx = [-1] * (2 * size)
+        buckets: dict[int, list[int]] = {}
+        items_of: dict[int, list[int]] = {}
+        rem_of: dict[int, int] = {}
+        img_of: dict[int, int] = {}
+        pat_of: dict[int, int] = {}
+
+        def update(r: int) -> None:
+            bucket = buckets.get(r)
+            if bucket:
+                a = max(mi - img_of[b] for b in bucket)
+                c = max(mp - pat_of[b] for b in bucket)
+            else:
+                a = c = -1
+            i = r + size
+            imx[i] = a
+            pmx[i] = c
+            i >>= 1
+            while i:
+                lo = 2 * i
+                a = imx[lo] if imx[lo] >= imx[lo + 1] else imx[lo + 1]
+                c = pmx[lo] if pmx[lo] >= pmx[lo + 1] else pmx[lo + 1]
+                if imx[i] == a and pmx[i] == c:
+                    break
+                imx[i] = a
+                pmx[i] = c
+                i >>= 1
+
+        for bid, b in self._open.items():
+            r = ml - b[1]
+            items_of[bid], rem_of[bid], img_of[bid], pat_of[bid] = b[0], r, b[2], b[3]
+            buckets.setdefault(r, []).append(bid)
+        for r in buckets:
+            update(r)
+
+        next_id = self._next_id
+        for x, length, im, pa in zip(s_idx, s_len, s_img, s_pat):
+            room_i = mi - im
+            room_p = mp - pa
+            found = -1
+            i = length + size
+            while True:
+                if imx[i] >= im and pmx[i] >= pa:
+                    if i >= size:
+                        for b in buckets[i - size]:
+                            if img_of[b] <= room_i and pat_of[b] <= room_p and (found < 0 or b < found):
+                                found = b
+                        if found >= 0:
+                            break
+                    else:
+                        i <<= 1
+                        continue
+                while i & 1:
+                    i >>= 1
+                if i == 0:
+                    break
+                i += 1
+            if found >= 0:
+                r = rem_of[found]
+                buckets[r].remove(found)
+                update(r)
+                r -= length
+                rem_of[found] = r
+                img_of[found] += im
+                pat_of[found] += pa
+                items_of[found].append(x)
+            else:
+                found = next_id
+                next_id += 1
+                r = ml - length
+                rem_of[found] = r
+                img_of[found] = im
+                pat_of[found] = pa
+                items_of[found] = [x]
+            buckets.setdefault(r, []).append(found)
+            update(r)
+        self._next_id = next_id
+        self._open = {bid: [items_of[bid], ml - rem_of[bid], img_of[bid], pat_of[bid]] for bid in sorted(items_of)}
+        return sorted((r, bid) for bid, r in rem_of.items())
 
     # ffd --------------------------------------------------------------------
     def _window_ffd(
         self, idx: list[int], lens: list[int], imgs: list[int] | None, pats: list[int] | None, final: bool
     ) -> list[list[int]]:
+        """First fit over open bins in creation order, via a max segment tree over bin slots."""
         ml = self.max_length
         mi, mp = self._media_limits()
         open_bins = self._open
@@ -602,35 +659,57 @@ class StreamingPlanner:
         slot_img: list[int] = [b[2] for b in open_bins.values()]
         slot_pat: list[int] = [b[3] for b in open_bins.values()]
         s_idx, s_len, s_img, s_pat = self._sorted_window(idx, lens, imgs, pats)
+        media = s_img is not None
         nslots = len(slot_bid) + len(s_len)
         size = 1
         while size < nslots:
             size <<= 1
-        tree = [-1] * (2 * size)
+        # tok: remaining token room; imx/pmx: remaining image/patch room (media budgets only).
+        tok = [-1] * (2 * size)
+        imx = [-1] * (2 * size) if media else tok
+        pmx = [-1] * (2 * size) if media else tok
         for s, b in enumerate(open_bins.values()):
-            tree[size + s] = ml - b[1]
+            tok[size + s] = ml - b[1]
+            if media:
+                imx[size + s] = mi - b[2]
+                pmx[size + s] = mp - b[3]
         for i in range(size - 1, 0, -1):
-            a, c = tree[2 * i], tree[2 * i + 1]
-            tree[i] = a if a >= c else c
+            lo = 2 * i
+            tok[i] = tok[lo] if tok[lo] >= tok[lo + 1] else tok[lo + 1]
+            if media:
+                imx[i] = imx[lo] if imx[lo] >= imx[lo + 1] else imx[lo + 1]
+                pmx[i] = pmx[lo] if pmx[lo] >= pmx[lo + 1] else pmx[lo + 1]
         next_id = self._next_id
-        media = s_img is not None
         for j, length in enumerate(s_len):
             x = s_idx[j]
-            im = s_img[j] if media else 0  # type: ignore[index]
-            pa = s_pat[j] if media else 0  # type: ignore[index]
             s = -1
-            if tree[1] >= length:
+            if not media:
+                im = pa = 0
+                if tok[1] >= length:
+                    i = 1
+                    while i < size:
+                        i <<= 1
+                        if tok[i] < length:
+                            i += 1
+                    s = i - size
+            else:
+                im = s_img[j]  # type: ignore[index]
+                pa = s_pat[j]  # type: ignore[index]
+                # Leftmost slot with room on all three budgets; backtracks past nodes whose maxima
+                # come from different bins.
                 i = 1
-                while i < size:
-                    i <<= 1
-                    if tree[i] < length:
-                        i += 1
-                s = i - size
-                if media:
-                    tries = 0
-                    while s >= 0 and (slot_img[s] + im > mi or slot_pat[s] + pa > mp):
-                        tries += 1
-                        s = -1 if tries >= _MAX_SCAN else _seg_find_from(tree, size, length, s + 1)
+                while True:
+                    if tok[i] >= length and imx[i] >= im and pmx[i] >= pa:
+                        if i >= size:
+                            s = i - size
+                            break
+                        i <<= 1
+                        continue
+                    while i & 1:
+                        i >>= 1
+                    if i == 0:
+                        break
+                    i += 1
             if s < 0:
                 s = len(slot_bid)
                 slot_bid.append(next_id)
@@ -643,22 +722,32 @@ class StreamingPlanner:
                 slot_items[s].append(x)
                 slot_img[s] += im
                 slot_pat[s] += pa
-                rem = tree[size + s] - length
+                rem = tok[size + s] - length
             i = size + s
-            tree[i] = rem
+            tok[i] = rem
+            if media:
+                imx[i] = mi - slot_img[s]
+                pmx[i] = mp - slot_pat[s]
             i >>= 1
             while i:
-                a, c = tree[2 * i], tree[2 * i + 1]
-                v = a if a >= c else c
-                if tree[i] == v:
+                lo = 2 * i
+                v = tok[lo] if tok[lo] >= tok[lo + 1] else tok[lo + 1]
+                if media:
+                    a = imx[lo] if imx[lo] >= imx[lo + 1] else imx[lo + 1]
+                    c = pmx[lo] if pmx[lo] >= pmx[lo + 1] else pmx[lo + 1]
+                    if tok[i] == v and imx[i] == a and pmx[i] == c:
+                        break
+                    imx[i] = a
+                    pmx[i] = c
+                elif tok[i] == v:
                     break
-                tree[i] = v
+                tok[i] = v
                 i >>= 1
         self._next_id = next_id
         new_open: dict[int, list[Any]] = {}
         rems: list[tuple[int, int]] = []
         for s, bid in enumerate(slot_bid):
-            rem = tree[size + s]
+            rem = tok[size + s]
             new_open[bid] = [slot_items[s], ml - rem, slot_img[s], slot_pat[s]]
             rems.append((rem, bid))
         self._open = new_open
@@ -675,53 +764,75 @@ class StreamingPlanner:
         mi, mp = self._media_limits()
         s_idx, s_len, s_img, s_pat = self._sorted_window(idx, lens, imgs, pats)
         n = len(s_len)
-        k = max(1, -(-sum(s_len) // ml))
+        total = sum(s_len)
+        k = max(1, -(-total // ml))
         if s_img is not None:
             assert s_pat is not None
-            if self.max_images is not None and self.max_images > 0:
+            if self.max_images:
                 k = max(k, -(-sum(s_img) // self.max_images))
-            if self.max_vision_patches is not None and self.max_vision_patches > 0:
+            if self.max_vision_patches:
                 k = max(k, -(-sum(s_pat) // self.max_vision_patches))
+            media_img = [im for im, pa in zip(s_img, s_pat) if im or pa]
+            media_pat = [pa for im, pa in zip(s_img, s_pat) if im or pa]
+            min_im = min(media_img) if media_img else 0
+            min_pa = min(media_pat) if media_pat else 0
         k = min(k, n)
-
-        total = sum(s_len)
 
         def attempt(nb: int) -> tuple[list[list[int]] | None, int]:
             """Greedy assignment into `nb` bins; returns (bins, max load) or (None, -1) if media-infeasible.
 
-            Token room is not enforced during the pass: the least-loaded bin is the only candidate on
-            tokens, so the pass is feasible exactly when its final max load is <= max_length.
+            Token room is not enforced during the pass: on tokens the least-loaded bin is the best
+            candidate, so the pass is feasible exactly when its final max load is <= max_length.
             """
-            heap = [(0, b) for b in range(nb)]
             bins: list[list[int]] = [[] for _ in range(nb)]
             if s_img is None:
+                heap = [(0, b) for b in range(nb)]
                 replace = heapq.heapreplace
                 for x, length in zip(s_idx, s_len):
                     load, b = heap[0]
                     replace(heap, (load + length, b))
                     bins[b].append(x)
                 return bins, max(load for load, _ in heap)
+            # Two lazy heaps of (load, bin): every bin, and bins that can still take some media.
+            # Entries whose load is out of date are skipped; bins with no media room are dropped
+            # from the media heap for good.
+            push, pop = heapq.heappush, heapq.heappop
+            load = [0] * nb
             bimg = [0] * nb
             bpat = [0] * nb
+            h_all = [(0, b) for b in range(nb)]
+            h_med = list(h_all)
             for j, length in enumerate(s_len):
                 im, pa = s_img[j], s_pat[j]  # type: ignore[index]
-                stash = []
-                placed = False
-                while heap:
-                    load, b = heapq.heappop(heap)
-                    if bimg[b] + im <= mi and bpat[b] + pa <= mp:
-                        bins[b].append(s_idx[j])
-                        bimg[b] += im
-                        bpat[b] += pa
-                        heapq.heappush(heap, (load + length, b))
-                        placed = True
-                        break
-                    stash.append((load, b))
-                for item in stash:
-                    heapq.heappush(heap, item)
-                if not placed:
-                    return None, -1
-            return bins, max(load for load, _ in heap)
+                if im == 0 and pa == 0:
+                    while h_all[0][0] != load[h_all[0][1]]:
+                        pop(h_all)
+                    b = h_all[0][1]
+                else:
+                    b = -1
+                    stash = []
+                    while h_med:
+                        entry = pop(h_med)
+                        c = entry[1]
+                        if entry[0] != load[c]:
+                            continue
+                        if bimg[c] + im <= mi and bpat[c] + pa <= mp:
+                            b = c
+                            break
+                        if mi - bimg[c] >= min_im and mp - bpat[c] >= min_pa:
+                            stash.append(entry)
+                    for entry in stash:
+                        push(h_med, entry)
+                    if b < 0:
+                        return None, -1
+                bins[b].append(s_idx[j])
+                load[b] += length
+                bimg[b] += im
+                bpat[b] += pa
+                push(h_all, (load[b], b))
+                if mi - bimg[b] >= min_im and mp - bpat[b] >= min_pa:
+                    push(h_med, (load[b], b))
+            return bins, max(load)
 
         # Infeasible k: the final spread (max load - mean load) barely depends on k, so jump to the k
         # whose mean leaves room for it; repeat (always at least +1) until feasible. k = n always works.
@@ -735,31 +846,9 @@ class StreamingPlanner:
                 room = ml - (max_load - total / k)
                 k_new = math.ceil(total / room) if room > 0 else 2 * k
             k = min(n, max(k + 1, k_new))
-        return self._emit_balanced(bins)
-
-    def _emit_balanced(self, bins: list[list[int]]) -> list[list[int]]:
         packs = [b for b in bins if b]
         self._next_id += len(packs)
         return packs
-
-
-def _seg_find_from(tree: list[int], size: int, need: int, start: int) -> int:
-    """Leftmost leaf `>= start` with value `>= need` in a max segment tree, or -1."""
-    if start >= size:
-        return -1
-    i = start + size
-    while True:
-        if tree[i] >= need:
-            while i < size:
-                i <<= 1
-                if tree[i] < need:
-                    i += 1
-            return i - size
-        while i & 1:
-            i >>= 1
-            if i <= 1:
-                return -1
-        i += 1
 
 
 def plan_packs(

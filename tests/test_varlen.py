@@ -1,0 +1,94 @@
+"""Varlen utilities and backends against the dense block-causal oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_packing import _compat, varlen
+from hf_packing.varlen import PackedSequences, create_block_causal_mask, pad_input, unpad_input
+
+
+def test_block_causal_mask_literal():
+    expected = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool
+    )
+    assert torch.equal(create_block_causal_mask([2, 3]), expected)
+
+
+def test_unpad_pad_roundtrip_and_boundaries():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
+    data = torch.arange(15).view(3, 5)
+    flat, indices, seqs = unpad_input(data, mask)
+    assert flat.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 14]
+    assert seqs.cu_seqlens.tolist() == [0, 3, 8, 9] and seqs.cu_seqlens.dtype == torch.int32
+    assert seqs.max_seqlen == 5 and type(seqs.max_seqlen) is int
+    assert torch.equal(pad_input(flat, indices, 3, 5, pad_value=-1), data.masked_fill(mask == 0, -1))
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [([[1, 0, 1]], "row 0 has a hole"), ([[1, 1, 0], [0, 2, 1]], "row 1 has values"), ([[1, 1], [0, 0]], "row 1 is all padding")],
+)
+def test_bad_masks_name_the_row(mask, message):
+    with pytest.raises(ValueError, match=message):
+        varlen.validate_attention_mask(torch.tensor(mask))
+
+
+def _dense(q, k, v, seqlens, causal, scale):
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) * scale
+    allowed = create_block_causal_mask(seqlens, causal=causal)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_matches_dense_oracle(causal):
+    torch.manual_seed(0)
+    seqlens = [5, 1, 9, 3]
+    q, k, v = torch.randn(18, 4, 8), torch.randn(18, 2, 8), torch.randn(18, 2, 8)
+    seqs = PackedSequences.from_seqlens(seqlens)
+    out = varlen.reference_varlen(q, k, v, seqs, causal=causal, scale=0.3)
+    torch.testing.assert_close(out, _dense(q, k, v, seqlens, causal, 0.3), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("signature", ["old", "new"])
+def test_torch_varlen_wiring_with_stand_in(monkeypatch, signature):
+    """torch<2.10 varlen_attn had is_causal and no enable_gqa/scale; newer ones take window_size/enable_gqa/scale."""
+    seen = {}
+
+    def old(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, return_aux=None):
+        seen.update(is_causal=is_causal, heads=(q.shape[1], k.shape[1]))
+        seqs = PackedSequences(cu_q, max_q)
+        return varlen.reference_varlen(q, k, v, seqs, causal=is_causal, scale=q.shape[-1] ** -0.5)
+
+    def new(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert cu_q.dtype == torch.int32 and type(max_q) is int
+        seen.update(window=window_size, gqa=enable_gqa, heads=(q.shape[1], k.shape[1]))
+        seqs = PackedSequences(cu_q, max_q)
+        return varlen.reference_varlen(q, k, v, seqs, causal=window_size == (-1, 0), scale=scale)
+
+    fn = old if signature == "old" else new
+    monkeypatch.setattr(_compat, "torch_varlen_attn", lambda: fn)
+    monkeypatch.setattr(_compat, "torch_varlen_params", lambda: frozenset(__import__("inspect").signature(fn).parameters))
+    torch.manual_seed(1)
+    seqlens = [4, 7]
+    q, k, v = torch.randn(11, 4, 8), torch.randn(11, 2, 8), torch.randn(11, 2, 8)
+    seqs = PackedSequences.from_seqlens(seqlens)
+    out = varlen.torch_varlen(q, k, v, seqs, causal=True, scale=0.2)
+    torch.testing.assert_close(out, _dense(q, k, v, seqlens, True, 0.2), rtol=1e-5, atol=1e-6)
+    if signature == "old":
+        assert seen == {"is_causal": True, "heads": (4, 4)}  # GQA expanded by hand, scale folded into q
+    else:
+        assert seen == {"window": (-1, 0), "gqa": True, "heads": (4, 2)}
+
+
+def test_backend_resolution_on_cpu():
+    cpu = torch.device("cpu")
+    assert varlen.resolve_backend("auto", cpu) == "reference"
+    with pytest.raises(RuntimeError, match="attn_backend='torch_varlen' is not available"):
+        varlen.resolve_backend("torch_varlen", cpu)
+    with pytest.raises(ValueError, match="unknown attn_backend"):
+        varlen.resolve_backend("xformers", cpu)
