@@ -1,0 +1,64 @@
+"""``hf-packing``: ``demo`` (train a tiny model end to end on CPU) and ``stats`` (packing statistics from metadata)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-packing", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="generate data, pack, patch and train a tiny Qwen2.5-VL on CPU")
+    demo.add_argument("--output-dir", type=Path, default=Path("demo_out"))
+    demo.add_argument("--model", help="local checkpoint dir (default: a tiny random Qwen2.5-VL saved in output-dir)")
+    demo.add_argument("--processor", help="local processor dir (default: the model dir)")
+    demo.add_argument("--dataset", help="saved datasets dir or json/jsonl/parquet (default: generated)")
+    demo.add_argument("--num-samples", type=int, default=320)
+    demo.add_argument("--max-length", type=int, default=2048)
+    demo.add_argument("--strategy", default="bfd", choices=["next_fit", "ffd", "bfd", "balanced"])
+    demo.add_argument("--epochs", type=int, default=2)
+    demo.add_argument("--learning-rate", type=float, default=3e-3)
+    demo.add_argument("--seed", type=int, default=0)
+
+    stats = sub.add_parser("stats", help="packing statistics per strategy, from metadata only")
+    stats.add_argument("data", help="local json/jsonl/parquet/arrow file(s) or a saved datasets dir")
+    stats.add_argument("--processor", required=True, help="local processor dir")
+    stats.add_argument("--max-length", type=int, required=True)
+    stats.add_argument("--strategy", nargs="+", default=["next_fit", "ffd", "bfd", "balanced"],
+                       choices=["next_fit", "ffd", "bfd", "balanced"])
+    stats.add_argument("--buffer-size", type=int, default=1000)
+    stats.add_argument("--max-images", type=int)
+    stats.add_argument("--max-vision-patches", type=int)
+    stats.add_argument("--image-root")
+    stats.add_argument("--output", type=Path, default=Path("pack_stats.png"), help="histogram PNG")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "demo":
+        from .demo import DemoConfig, run_demo
+
+        summary = run_demo(DemoConfig(
+            output_dir=args.output_dir, model=args.model, processor=args.processor, dataset=args.dataset,
+            num_samples=args.num_samples, max_length=args.max_length, strategy=args.strategy, epochs=args.epochs,
+            learning_rate=args.learning_rate, seed=args.seed,
+        ))
+        first, last = summary["loss first -> last"]
+        if not last < first:
+            print(f"loss did not fall ({first:.3f} -> {last:.3f})", file=sys.stderr)
+            return 1
+        return 0
+    from .stats import run_stats
+
+    run_stats(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

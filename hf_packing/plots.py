@@ -1,0 +1,96 @@
+"""Pictures for the demo and ``hf-packing stats`` (matplotlib, Agg backend, imported lazily)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_packs(packs: Sequence[Sequence[int]], path: str | Path, *, max_length: int, batch_size: int = 8,
+               max_rows: int = 12) -> Path:
+    """Packed batches next to padded batches of the same samples.
+
+    Each bar is one batch; each sample's real tokens get their own colour, padding is grey. Left: one
+    pack per bar (length ``max_length``). Right: the same samples in order, in padded batches of
+    ``batch_size`` rows, drawn row after row, so a bar's length is its slot count (``rows × longest``).
+
+    Args:
+        packs: per pack, the token lengths of its samples, in order.
+    """
+    plt = _pyplot()
+    lengths = [n for pack in packs for n in pack]
+    padded = [lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size)]
+    rows = max(min(len(packs), max_rows), min(len(padded), max_rows))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.45 * rows + 1.6), sharex=True)
+    colours = plt.get_cmap("tab20").colors
+    sample = 0
+    for row, pack in enumerate(packs[:max_rows]):
+        start = 0
+        for n in pack:
+            axes[0].barh(row, n, left=start, color=colours[sample % len(colours)], edgecolor="white", linewidth=0.3)
+            start, sample = start + n, sample + 1
+        axes[0].barh(row, max_length - start, left=start, color="0.85")
+    sample = 0
+    for row, batch in enumerate(padded[:max_rows]):
+        width, start = max(batch), 0
+        for n in batch:
+            axes[1].barh(row, n, left=start, color=colours[sample % len(colours)], edgecolor="white", linewidth=0.3)
+            axes[1].barh(row, width - n, left=start + n, color="0.85")
+            start, sample = start + width, sample + 1
+    packed_fill = sum(sum(p) for p in packs) / (len(packs) * max_length)
+    padded_fill = sum(lengths) / sum(len(b) * max(b) for b in padded)
+    axes[0].set_title(f"packed: {len(packs)} packs of {max_length} tokens, {packed_fill:.0%} real tokens")
+    axes[1].set_title(f"padded batches of {batch_size}: {len(padded)} batches, {padded_fill:.0%} real tokens")
+    for ax in axes:
+        ax.invert_yaxis()
+        ax.set_xlabel("token slots")
+        ax.set_ylabel("batch")
+    fig.suptitle("each colour is one sample's real tokens; grey is padding", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_loss(steps: Sequence[int], losses: Sequence[float], path: str | Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, losses, marker="o", markersize=2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title("demo training loss (tiny Qwen2.5-VL, rmpad)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_stats(fills: dict[str, Sequence[float]], sample_lengths: Sequence[int], path: str | Path,
+               max_length: int) -> Path:
+    """Histogram of pack fill per strategy, and of sample lengths."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for name, values in fills.items():
+        axes[0].hist(values, bins=40, range=(0, 1), histtype="step", linewidth=1.5, label=name)
+    axes[0].set_xlabel("pack fill (real tokens / max_length)")
+    axes[0].set_ylabel("packs")
+    axes[0].legend()
+    axes[1].hist(sample_lengths, bins=60, color="tab:blue")
+    axes[1].axvline(max_length, color="tab:red", linestyle="--", label=f"max_length={max_length}")
+    axes[1].set_xlabel("sample length (tokens, from metadata)")
+    axes[1].set_ylabel("samples")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
