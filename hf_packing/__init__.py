@@ -16,6 +16,7 @@ __all__ = [
     "plan_packs",
     "pack_dataset",
     "VisionCollator",
+    "prepare_trainer",
 ]
 
 # Lazy re-exports keep `import hf_packing` free of transformers/torch work until a name is used.
@@ -26,6 +27,7 @@ _LAZY = {
     "plan_packs": "hf_packing.planner",
     "pack_dataset": "hf_packing.stream",
     "VisionCollator": "hf_packing.collator",
+    "prepare_trainer": "hf_packing.trainer",
 }
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from .patches import apply_rmpad, revert_rmpad, supported_model_types
     from .planner import plan_packs
     from .stream import pack_dataset
+    from .trainer import prepare_trainer
 
 
 def __getattr__(name: str) -> Any:

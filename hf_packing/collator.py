@@ -40,7 +40,7 @@ def _as_long(x: Any) -> torch.Tensor:
 
 
 def _family_of(processor) -> str | None:
-    name = type(processor).__name__.lower()
+    name = type(processor).__name__.lower().replace("_", "")
     for model_type in ("qwen3_vl", "qwen2_5_vl", "qwen2_vl"):
         if name.startswith(model_type.replace("_", "")):
             return model_type

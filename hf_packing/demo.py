@@ -64,7 +64,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
-    from . import VisionCollator, apply_rmpad, pack_dataset
+    from . import VisionCollator, apply_rmpad, pack_dataset, prepare_trainer
     from .plots import plot_loss, plot_packs
 
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
@@ -75,7 +75,9 @@ def run_demo(cfg: DemoConfig) -> dict:
 
     started = time.perf_counter()
     packed = pack_dataset(dataset, processor, max_length=cfg.max_length, strategy=cfg.strategy, seed=cfg.seed)
-    packs = [[sample["num_tokens"] for sample in pack] for pack in packed]  # one pass for the picture and stats
+    pack_ids = [[(sample["index"], sample["num_tokens"]) for sample in pack] for pack in packed]  # one pass
+    packs = [[n for _, n in pack] for pack in pack_ids]
+    in_order = [n for _, n in sorted(s for pack in pack_ids for s in pack)]  # a padded run sees dataset order
     plan_seconds = time.perf_counter() - started
     if not packs:
         raise RuntimeError(f"no packs from {data_dir}: every sample was dropped or skipped ({packed.stats()})")
@@ -89,14 +91,15 @@ def run_demo(cfg: DemoConfig) -> dict:
         seed=cfg.seed, disable_tqdm=False,
     )
     collator = VisionCollator(processor, model_config=model.config)
-    trainer = Trainer(model=model, args=args, train_dataset=packed, data_collator=collator)
+    trainer = prepare_trainer(Trainer(model=model, args=args, train_dataset=packed, data_collator=collator),
+                              max_length=cfg.max_length)
     started = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - started
 
     history = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
     real_tokens = sum(map(sum, packs))
-    padded_slots = sum(len(b) * max(b) for b in _batches([n for p in packs for n in p], 8))
+    padded_slots = sum(len(b) * max(b) for b in _batches(in_order, 8))
     summary = {
         "samples": sum(map(len, packs)),
         "packs": len(packs),
@@ -108,7 +111,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         "train seconds": train_seconds,
         "dropped/skipped": dict(packed.stats().get("skipped", {})) | dict(packed.stats().get("dropped", {})),
     }
-    plot_packs(packs, cfg.output_dir / "packs.png", max_length=cfg.max_length)
+    plot_packs(pack_ids, cfg.output_dir / "packs.png", max_length=cfg.max_length)
     plot_loss([s for s, _ in history], [l for _, l in history], cfg.output_dir / "loss.png")
     print(format_summary(summary, cfg.output_dir))
     return summary

@@ -15,46 +15,50 @@ def _pyplot():
     return plt
 
 
-def plot_packs(packs: Sequence[Sequence[int]], path: str | Path, *, max_length: int, batch_size: int = 8,
-               max_rows: int = 12) -> Path:
+def plot_packs(packs: Sequence[Sequence[tuple[int, int]]], path: str | Path, *, max_length: int,
+               batch_size: int = 8, max_rows: int = 12) -> Path:
     """Packed batches next to padded batches of the same samples.
 
-    Each bar is one batch; each sample's real tokens get their own colour, padding is grey. Left: one
-    pack per bar (length ``max_length``). Right: the same samples in order, in padded batches of
-    ``batch_size`` rows, drawn row after row, so a bar's length is its slot count (``rows × longest``).
+    Each bar is one batch; a sample's real tokens have the same colour in both panels, padding is grey.
+    Left: one pack per bar (length ``max_length``). Right: the same samples in dataset order (what a
+    padded run batches together), ``batch_size`` rows per batch drawn row after row, so a bar's length
+    is its slot count (``rows × longest``).
 
     Args:
-        packs: per pack, the token lengths of its samples, in order.
+        packs: per pack, ``(sample index, tokens)`` of its samples, in pack order.
     """
     plt = _pyplot()
-    lengths = [n for pack in packs for n in pack]
-    padded = [lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size)]
+    in_order = sorted(sample for pack in packs for sample in pack)
+    padded = [in_order[i : i + batch_size] for i in range(0, len(in_order), batch_size)]
     rows = max(min(len(packs), max_rows), min(len(padded), max_rows))
     fig, axes = plt.subplots(1, 2, figsize=(14, 0.45 * rows + 1.6), sharex=True)
     colours = plt.get_cmap("tab20").colors
-    sample = 0
+
+    def bar(ax, row, start, width, index=None):
+        colour = "0.85" if index is None else colours[index % len(colours)]
+        ax.barh(row, width, left=start, color=colour, edgecolor="white" if index is not None else colour, linewidth=0.3)
+
     for row, pack in enumerate(packs[:max_rows]):
         start = 0
-        for n in pack:
-            axes[0].barh(row, n, left=start, color=colours[sample % len(colours)], edgecolor="white", linewidth=0.3)
-            start, sample = start + n, sample + 1
-        axes[0].barh(row, max_length - start, left=start, color="0.85")
-    sample = 0
+        for index, n in pack:
+            bar(axes[0], row, start, n, index)
+            start += n
+        bar(axes[0], row, start, max_length - start)
     for row, batch in enumerate(padded[:max_rows]):
-        width, start = max(batch), 0
-        for n in batch:
-            axes[1].barh(row, n, left=start, color=colours[sample % len(colours)], edgecolor="white", linewidth=0.3)
-            axes[1].barh(row, width - n, left=start + n, color="0.85")
-            start, sample = start + width, sample + 1
-    packed_fill = sum(sum(p) for p in packs) / (len(packs) * max_length)
-    padded_fill = sum(lengths) / sum(len(b) * max(b) for b in padded)
+        width = max(n for _, n in batch)
+        for k, (index, n) in enumerate(batch):
+            bar(axes[1], row, k * width, n, index)
+            bar(axes[1], row, k * width + n, width - n)
+    real = sum(n for _, n in in_order)
+    packed_fill = real / (len(packs) * max_length)
+    padded_fill = real / sum(len(b) * max(n for _, n in b) for b in padded)
     axes[0].set_title(f"packed: {len(packs)} packs of {max_length} tokens, {packed_fill:.0%} real tokens")
     axes[1].set_title(f"padded batches of {batch_size}: {len(padded)} batches, {padded_fill:.0%} real tokens")
     for ax in axes:
         ax.invert_yaxis()
         ax.set_xlabel("token slots")
         ax.set_ylabel("batch")
-    fig.suptitle("each colour is one sample's real tokens; grey is padding", fontsize=10)
+    fig.suptitle(f"first {max_rows} batches of each; a colour is one sample's real tokens, grey is padding", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

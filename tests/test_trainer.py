@@ -55,3 +55,44 @@ def test_unpatched_accumulation_averages_per_micro_batch(tmp_path, packs):
     diff = _max_rel_diff(accumulated, whole)
     print(f"unpatched: max rel param diff {diff:.2e}")
     assert diff > 1e-3
+
+
+def test_keep_rank_packs_undoes_accelerates_second_sharding():
+    """accelerate's IterableDatasetShard keeps 1 of world_size items; our stream is already this rank's share."""
+    from accelerate.data_loader import IterableDatasetShard
+    from datasets import Dataset
+    from torch.utils.data import DataLoader
+
+    from hf_packing import pack_dataset
+    from hf_packing.trainer import keep_rank_packs
+
+    rows = [{"messages": [{"role": "user", "content": "word " * (5 + 7 * i)}, {"role": "assistant", "content": "ok"}]}
+            for i in range(12)]
+    packs = pack_dataset(Dataset.from_list(rows), load_processor("qwen2_vl"), max_length=160, rank=1, world_size=2,
+                         disable_progress=True)
+    own = [[s["index"] for s in p] for p in packs]
+    assert len(own) >= 2
+
+    class FakeTrainer:  # what Trainer.get_train_dataloader returns under 2 processes
+        def get_train_dataloader(self):
+            shard = IterableDatasetShard(packs, batch_size=1, num_processes=2, process_index=1)
+            return DataLoader(shard, batch_size=None, collate_fn=lambda pack: pack)
+
+    assert len([p for p in FakeTrainer().get_train_dataloader()]) < len(own)  # the bug: half the packs vanish
+    trainer = keep_rank_packs(FakeTrainer())
+    assert [[s["index"] for s in p] for p in trainer.get_train_dataloader()] == own
+
+
+def test_prepare_trainer_turns_off_batch_dispatching(tmp_path):
+    """accelerate's default dispatching slices every batch tensor to the batch size: cu_seqlens and pixel_values too."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_packing import prepare_trainer
+    from hf_packing.telemetry import PackingTelemetry
+
+    model = build_tiny_model("qwen2_vl")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    trainer = prepare_trainer(Trainer(model=model, args=args, train_dataset=[]))
+    config = trainer.accelerator.dataloader_config
+    assert config.dispatch_batches is False and config.split_batches is False
+    assert isinstance(trainer.callback_handler.callbacks[0], PackingTelemetry)

@@ -83,7 +83,11 @@ def _boundaries(input_ids, attention_mask, cu_seqlens, config) -> tuple[torch.Te
         seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         real = int(attention_mask.sum())
         if sum(seqlens) != real:
-            raise ValueError(f"cu_seqlens covers {sum(seqlens)} tokens but attention_mask has {real} real tokens")
+            raise ValueError(
+                f"cu_seqlens covers {sum(seqlens)} tokens but attention_mask has {real} real tokens. Under the HF "
+                "Trainer this means accelerate sliced the batch (dispatch_batches): call "
+                "hf_packing.prepare_trainer(trainer), or set accelerator_config={'dispatch_batches': False}"
+            )
     else:
         seqlens = validate_attention_mask(attention_mask)
     indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()

@@ -1,0 +1,354 @@
+"""Preprocessing: row formats, chat template, assistant-only labels, and token counts from image metadata.
+
+One row becomes one *sample*: 1-D `input_ids`, `labels`, `attention_mask`, `mm_token_type_ids`, the vision tensors
+with their grids, `num_tokens` and `index`. Two row formats are accepted and give identical samples:
+
+- HF messages: `{"messages": [{"role", "content": str | [{"type": "image" | "video" | "text", ...}]}],
+  "images": [PIL | bytes | {"bytes", "path"} | path], "videos": [frames]}`
+- LLaVA: `{"image": path | [paths], "conversations": [{"from": "human" | "gpt" | "system", "value": "<image>\\n..."}]}`
+  (each `<image>` becomes an image part; one newline next to it is part of the placeholder and dropped).
+
+[`Preprocessor.estimate`] counts a sample's tokens without decoding pixels: the chat template is rendered and
+tokenized with ONE placeholder token per image, image sizes come from file headers (`PIL.Image.open` is lazy), and
+the processor's own `get_number_of_image_patches` (Qwen's `smart_resize`: 28 px cells on Qwen2/2.5-VL, 32 px on
+Qwen3-VL) gives each image's `patches / merge**2` tokens. That costs 0.1-1 ms per sample (template, tokenizer, header)
+against ~8-50 ms for a full [`Preprocessor.process`] (decode, convert, resize, patchify), which runs only for samples
+placed in a pack and checks that the processed length equals the estimate. [`Preprocessor.metadata_columns`] stores
+the estimate as columns (one `ds.map`), so a large run plans from columns instead.
+
+Bad input raises [`SampleError`] with a `reason` from [`REASONS`]; the caller skips and counts it (see
+[`SkipCounter`]). Odd image modes (CMYK, RGBA/LA/P with alpha on white, 16-bit, float) are converted, not refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .images import REASONS, ImageLoader, OverlongError, SampleError
+
+logger = logging.getLogger("hf_packing")
+
+IGNORE_INDEX = -100
+META_COLUMNS = ("hfp_num_tokens", "hfp_num_images", "hfp_vision_patches", "hfp_skip")
+__all__ = ["META_COLUMNS", "REASONS", "OverlongError", "Preprocessor", "SampleError", "SampleMeta", "SkipCounter",
+           "normalize_row"]
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_CHATML = re.compile(r"<\|im_start\|>assistant\n.*?<\|im_end\|>", re.S)
+
+
+class SkipCounter(Counter):
+    """A `Counter` of skip reasons that logs the first occurrence of each reason (with the sample id) once."""
+
+    def __init__(self, *args: Any, log: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log = log
+
+    def record(self, reason: str, index: Any, message: str, *, exc_info: BaseException | None = None) -> None:
+        if self[reason] == 0 and self.log:
+            logger.warning("skipping sample %s (%s): %s. Further %r skips are only counted (see stats()).",
+                           index, reason, message, reason, exc_info=exc_info)
+        self[reason] += 1
+
+
+@dataclass(frozen=True)
+class SampleMeta:
+    """What the planner needs, from metadata only: tokens (after truncation), images, and Σ t·h·w vision patches."""
+
+    num_tokens: int
+    num_images: int
+    vision_patches: int
+
+
+@dataclass
+class _Prepared:
+    text: str  # the rendered chat template, one placeholder per image/video (what the processor receives)
+    images: list[Any]
+    videos: list[Any]
+    ids: np.ndarray  # tokens of `text`, videos' placeholders expanded with each pad run compressed to one token
+    repeats: np.ndarray  # how many tokens each of `ids` becomes in the processed sample
+    supervised: np.ndarray  # bool per `ids` entry
+    num_tokens: int  # after truncation
+    meta: SampleMeta
+
+
+def _text(value: Any, index: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise SampleError("bad_text", f"text is not valid UTF-8 ({err})") from None
+    if not isinstance(value, str):
+        raise SampleError("bad_row", f"expected text, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # lone surrogates from a lossy decode upstream
+        raise SampleError("bad_text", f"text is not valid UTF-8 ({err})") from None
+    return value
+
+
+def normalize_row(row: Mapping[str, Any], index: Any = None) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
+    """Either row format → `(messages, images, videos)` with every content a list of typed parts.
+
+    Args:
+        row (`Mapping`): an HF-messages row or a LLaVA row (see the module docstring).
+        index (*optional*): the sample's id, for error messages.
+
+    Returns:
+        `tuple`: messages (`role` in user/assistant/system; parts `{"type": "image" | "video"}` or
+        `{"type": "text", "text": str}`), the image references and the videos, in placeholder order.
+    """
+    if "messages" in row:
+        turns, images, videos = row["messages"], list(row.get("images") or []), list(row.get("videos") or [])
+        inline = not images
+    elif "conversations" in row:
+        turns, videos, inline = row["conversations"], [], False
+        image = row.get("image", row.get("images"))
+        images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+    else:
+        raise SampleError("bad_row", f"row has neither 'messages' nor 'conversations' (keys: {sorted(row)})")
+    messages: list[dict[str, Any]] = []
+    for turn in turns or []:
+        role = _ROLES.get(_text(turn.get("role", turn.get("from")), index).lower())
+        if role is None:
+            raise SampleError("bad_row", f"unknown role {turn.get('role', turn.get('from'))!r}")
+        content = turn.get("content", turn.get("value"))
+        if isinstance(content, (str, bytes, bytearray)) or content is None:
+            text = _text(content, index)
+            parts = _split_llava(text) if "conversations" in row else [{"type": "text", "text": text}]
+        else:
+            parts = []
+            for part in content:
+                kind = part.get("type") or ("image" if part.get("image") is not None else "text")
+                if kind in ("image", "video"):
+                    parts.append({"type": kind})
+                    ref = part.get(kind, part.get("path"))
+                    if inline and ref is not None:
+                        (images if kind == "image" else videos).append(ref)
+                else:
+                    parts.append({"type": "text", "text": _text(part.get("text"), index)})
+        parts = [p for p in parts if p["type"] != "text" or p["text"]]
+        if parts:
+            messages.append({"role": role, "content": parts})
+    return messages, images, videos
+
+
+def _split_llava(text: str) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = []
+    for i, piece in enumerate(text.split("<image>")):
+        if i:
+            parts.append({"type": "image"})
+        piece = piece[1:] if i and piece.startswith("\n") else piece
+        parts.append({"type": "text", "text": piece[:-1] if i < text.count("<image>") and piece.endswith("\n") else piece})
+    return parts
+
+
+class Preprocessor:
+    """Turns rows into samples (full processing) or [`SampleMeta`] (metadata only) for one processor.
+
+    Args:
+        processor: a Qwen-VL processor (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`, `Qwen3VLProcessor`).
+        max_length (`int`, *optional*): token budget; longer samples follow `on_overlong`.
+        image_root (`str` or `Path`, *optional*): relative image paths resolve here; a path that escapes it (`..`,
+            absolute, symlink) is refused with reason `"path_outside_root"`. Without it paths are used as given.
+        train_on (`str`, defaults to `"assistant"`): `"assistant"` supervises each assistant turn's content and its
+            `<|im_end|>`; `"all"` every text token. Vision tokens (pads, `<|vision_start|>`/`<|vision_end|>`, video
+            timestamps) are never supervised.
+        on_overlong (`str`, defaults to `"drop"`): `"drop"` (reason `"overlong"`), `"error"` (raise `ValueError`) or
+            `"truncate_text"`: keep the first `max_length` tokens if every vision span ends inside them, else drop
+            (reason `"overlong_vision"`). Never cuts through an image.
+        max_image_pixels (`int`, defaults to 89,478,485): larger images (by their header) are refused (reason
+            `"image_too_large"`) before anything is decoded; PIL's decompression-bomb limit applies too.
+    """
+
+    def __init__(self, processor: Any, *, max_length: int | None = None, image_root: str | os.PathLike | None = None,
+                 train_on: str = "assistant", on_overlong: str = "drop", max_image_pixels: int = 89_478_485) -> None:
+        if train_on not in ("assistant", "all"):
+            raise ValueError(f"train_on must be 'assistant' or 'all', got {train_on!r}")
+        if on_overlong not in ("drop", "error", "truncate_text"):
+            raise ValueError(f"on_overlong must be 'drop', 'error' or 'truncate_text', got {on_overlong!r}")
+        self.processor, self.max_length, self.train_on, self.on_overlong = processor, max_length, train_on, on_overlong
+        self.images = ImageLoader(image_root=image_root, max_image_pixels=max_image_pixels)
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        ids = self.tokenizer.convert_tokens_to_ids
+        self.image_token, self.video_token = processor.image_token, getattr(processor, "video_token", None)
+        self.image_id, self.video_id = ids(self.image_token), ids(self.video_token) if self.video_token else None
+        self.vision_ids = np.array([i for i in (self.image_id, self.video_id, ids("<|vision_start|>"),
+                                                ids("<|vision_end|>")) if isinstance(i, int) and i >= 0])
+        self.merge = processor.image_processor.merge_size
+
+    # ------------------------------------------------------------------------------------------------ metadata
+    def estimate(self, row: Mapping[str, Any], index: Any = None) -> SampleMeta:
+        """Tokens, images and vision patches of `row` from text and image headers only; raises [`SampleError`]."""
+        return self._prepare(row, index).meta
+
+    def metadata_columns(self, row: Mapping[str, Any], index: Any = None) -> dict[str, Any]:
+        """[`META_COLUMNS`] for `ds.map(pre.metadata_columns, with_indices=True, num_proc=...)`, computed once and
+        shared by every rank through the `datasets` cache; `pack_dataset` then plans from these columns (for a
+        `datasets.Dataset` it reads only them) instead of estimating each row in every worker of every rank. Stale
+        columns are caught when the sample is processed (`"length_mismatch"`)."""
+        try:
+            meta = self.estimate(row, index)
+        except SampleError as err:
+            return dict(zip(META_COLUMNS, (-1, 0, 0, err.reason), strict=True))
+        return dict(zip(META_COLUMNS, (meta.num_tokens, meta.num_images, meta.vision_patches, ""), strict=True))
+
+    def _prepare(self, row: Mapping[str, Any], index: Any) -> _Prepared:
+        messages, images, videos = normalize_row(row, index)
+        if not messages:
+            raise SampleError("empty_conversation", "the conversation is empty")
+        if self.train_on == "assistant" and not any(m["role"] == "assistant" for m in messages):
+            raise SampleError("no_assistant_turn", "no assistant turn to supervise (or set train_on='all')")
+        n_img = sum(p["type"] == "image" for m in messages for p in m["content"])
+        n_vid = sum(p["type"] == "video" for m in messages for p in m["content"])
+        if (n_img, n_vid) != (len(images), len(videos)):
+            raise SampleError("placeholder_mismatch", f"{n_img} image / {n_vid} video placeholders but {len(images)} "
+                                                      f"images / {len(videos)} videos")
+        text = self.processor.apply_chat_template(messages, tokenize=False)
+        if text.count(self.image_token) != n_img or (self.video_token and text.count(self.video_token) != n_vid):
+            raise SampleError("placeholder_mismatch", "the text itself contains image/video placeholder tokens")
+        img_patches = [self._image_patches(ref) for ref in images]
+        spans = self._supervised_spans(messages, text)
+        compressed, vid_runs, vid_patches, shift = self._expand_videos(text, videos)
+        enc = self.tokenizer(compressed, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int64)
+        starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
+        repeats = np.ones(len(ids), dtype=np.int64)
+        for token, counts in ((self.image_id, [p // self.merge**2 for p in img_patches]), (self.video_id, vid_runs)):
+            where = np.flatnonzero(ids == token) if token is not None else np.zeros(0, np.int64)
+            if len(where) != len(counts):
+                raise SampleError("placeholder_mismatch", f"{len(where)} placeholder tokens after tokenizing, "
+                                                          f"{len(counts)} expected")
+            repeats[where] = counts
+        vision = np.isin(ids, self.vision_ids)
+        supervised = np.zeros(len(ids), dtype=bool)
+        for a, b in ([(shift(a), shift(b)) for a, b in spans] if spans is not None else [(0, len(compressed))]):
+            supervised |= (starts >= a) & (starts < b)
+        for a, b in vid_patches[1]:  # video timestamps are part of the vision span
+            vision |= (starts >= a) & (starts < b)
+        supervised &= ~vision
+        num_tokens = self._truncate(index, repeats, vision, supervised)
+        meta = SampleMeta(num_tokens, len(images), sum(img_patches) + sum(vid_patches[0]))
+        return _Prepared(text, images, videos, ids, repeats, supervised, num_tokens, meta)
+
+    def _supervised_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]] | None:
+        """Character spans of assistant content + end-of-turn token in `text` (`None` = supervise everything)."""
+        if self.train_on == "all":
+            return None
+        n_asst = sum(m["role"] == "assistant" for m in messages)
+        spans = [(m.start() + len("<|im_start|>assistant\n"), m.end()) for m in _CHATML.finditer(text)]
+        if len(spans) == n_asst:
+            return spans
+        spans, render = [], self.processor.apply_chat_template  # not ChatML: diff renders of growing prefixes
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                head = render(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+                turn = render(messages[: i + 1], tokenize=False)
+                if not (text.startswith(turn) and turn.startswith(head)):
+                    raise SampleError("bad_row", "the chat template does not render conversations prefix by prefix")
+                spans.append((len(head), len(turn.rstrip())))
+        return spans
+
+    def _expand_videos(self, text: str, videos: list[Any]) -> tuple[str, list[int], tuple[list[int], list], Any]:
+        """Replace each video placeholder by the processor's own expansion (Qwen3 adds timestamps), pad runs of one."""
+        if not videos:
+            return text, [], ([], []), lambda p: p
+        from transformers.video_utils import VideoMetadata
+
+        pieces, runs, patches, ranges, edits = [], [], [], [], []
+        pos, out_len = 0, 0
+        for ref in videos:
+            frames, height, width = self.images.video_shape(ref)
+            n = self.processor.video_processor.get_num_of_video_patches(frames, height, width, {})
+            grid_t = -(-frames // self.processor.video_processor.temporal_patch_size)
+            fake = {"video_grid_thw": torch.tensor([[grid_t, n // grid_t, 1]]), "video_metadata": [VideoMetadata(
+                total_num_frames=frames, width=width, height=height, frames_indices=list(range(frames)))]}
+            repl = self.processor.replace_video_token(fake, 0)
+            runs += [len(r) // len(self.video_token) for r in re.findall(f"(?:{re.escape(self.video_token)})+", repl)]
+            repl = re.sub(f"(?:{re.escape(self.video_token)})+", self.video_token.replace("\\", r"\\"), repl)
+            at = text.index(self.video_token, pos)
+            pieces += [text[pos:at], repl]
+            out_len += at - pos
+            ranges.append((out_len, out_len + len(repl)))
+            edits.append((at + len(self.video_token), len(repl) - len(self.video_token)))
+            out_len += len(repl)
+            pos = at + len(self.video_token)
+            patches.append(n)
+        return "".join(pieces) + text[pos:], runs, (patches, ranges), lambda p: p + sum(d for e, d in edits if e <= p)
+
+    def _truncate(self, index: Any, repeats: np.ndarray, vision: np.ndarray, supervised: np.ndarray) -> int:
+        ends = np.cumsum(repeats)
+        total, limit = int(ends[-1]), self.max_length
+        if limit is None or total <= limit:
+            return total
+        if self.on_overlong == "error":
+            raise OverlongError(f"sample {index} has {total:,} tokens > max_length={limit}; raise max_length or set "
+                             "on_overlong='truncate_text' (or 'drop')")
+        if self.on_overlong == "drop":
+            raise SampleError("overlong", f"{total:,} tokens > max_length={limit} (on_overlong='drop')")
+        vision_end = int(ends[np.flatnonzero(vision)[-1]]) if vision.any() else 0
+        if vision_end > limit:
+            raise SampleError("overlong_vision", f"its vision tokens end at {vision_end:,} > max_length={limit}; "
+                                                 "truncate_text never cuts an image")
+        if not supervised[ends <= limit].any():
+            raise SampleError("overlong", f"nothing supervised within the first max_length={limit} tokens")
+        return limit
+
+    # ------------------------------------------------------------------------------------------------ media
+    def _image_patches(self, ref: Any) -> int:
+        height, width = self.images.size(ref)
+        try:
+            return int(self.processor.image_processor.get_number_of_image_patches(height, width, {}))
+        except ValueError as err:  # smart_resize refuses aspect ratios > 200
+            raise SampleError("bad_aspect_ratio", str(err)) from None
+
+    # ------------------------------------------------------------------------------------------------ samples
+    def process(self, row: Mapping[str, Any], index: Any = None, *, planned_tokens: int | None = None) -> dict[str, Any]:
+        """Full processing: decode pixels, run the processor, build labels, truncate, check the planned length.
+
+        Args:
+            row (`Mapping`): the row.
+            index (*optional*): its id (stored as `sample["index"]`, used in messages).
+            planned_tokens (`int`, *optional*): the length the planner used; a different processed length raises
+                [`SampleError`] with reason `"length_mismatch"`.
+
+        Returns:
+            `dict`: `input_ids`, `labels`, `attention_mask`, `mm_token_type_ids` (1-D `LongTensor`), the vision
+            tensors the processor made (`pixel_values`, `image_grid_thw`, `pixel_values_videos`, `video_grid_thw`,
+            `second_per_grid_ts`), `num_tokens` and `index`.
+        """
+        prep = self._prepare(row, index)
+        images = [self.images.load_rgb(ref) for ref in prep.images] or None
+        videos = [self.images.load_video(ref) for ref in prep.videos] or None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            kwargs = {"videos_kwargs": {"do_sample_frames": False}} if videos else {}
+            out = self.processor(text=[prep.text], images=images, videos=videos, return_tensors="pt", **kwargs)
+        ids = out["input_ids"][0].long()
+        expected = torch.from_numpy(np.repeat(prep.ids, prep.repeats))
+        if ids.shape != expected.shape or not torch.equal(ids, expected):
+            raise SampleError("length_mismatch", f"processed {ids.numel():,} tokens, estimated {expected.numel():,}")
+        n = prep.num_tokens
+        if planned_tokens is not None and n != planned_tokens:
+            raise SampleError("length_mismatch", f"processed {n:,} tokens, planned {planned_tokens:,}")
+        supervised = torch.from_numpy(np.repeat(prep.supervised, prep.repeats))
+        sample: dict[str, Any] = {
+            "input_ids": ids[:n], "labels": ids.masked_fill(~supervised, IGNORE_INDEX)[:n],
+            "attention_mask": torch.ones(n, dtype=torch.long), "mm_token_type_ids": out["mm_token_type_ids"][0, :n].long(),
+        }
+        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+            if out.get(key) is not None:
+                sample[key] = out[key]
+        sample["num_tokens"], sample["index"] = n, index
+        return sample

@@ -1,0 +1,127 @@
+"""Row sources for `pack_dataset`: a position per row, so a resumed run re-reads exactly the rows it still needs.
+
+- `datasets.Dataset`: read as raw Arrow rows (no image decoding, ~10 us/row); the position is a row number.
+- `datasets.IterableDataset`: images switched to `{"bytes", "path"}` with `.decode(False)`; the position is the
+  dataset's own `state_dict()` (~2 us per row), taken after every row.
+- `{name: dataset}`: tagged with a source column, then mixed by `datasets.interleave_datasets` (its RNG and
+  per-source positions are part of its state_dict).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .data import META_COLUMNS
+
+__all__ = ["SOURCE_COLUMN", "IterSource", "MapSource", "make_source"]
+
+SOURCE_COLUMN = "__hf_packing_source__"
+
+
+def _json_decoder(feature: Any) -> Any:
+    """A function that parses the `Json`-typed leaves of a row, or None when there are none.
+
+    datasets types list items whose keys differ (``{"type": "image"}`` next to ``{"type": "text", "text": ..}``,
+    common in messages-format jsonl) as `Json`; read as raw Arrow they arrive as JSON strings.
+    """
+    from datasets.features import Json, LargeList, List, Sequence
+
+    if isinstance(feature, Json):
+        return lambda v: json.loads(v) if isinstance(v, str) else v
+    if isinstance(feature, (List, LargeList, Sequence)):
+        inner = _json_decoder(feature.feature)
+        return None if inner is None else (lambda v: v if v is None else [inner(x) for x in v])
+    if isinstance(feature, Mapping):
+        fields = {k: f for k, f in ((k, _json_decoder(f)) for k, f in feature.items()) if f is not None}
+        if not fields:
+            return None
+        return lambda v: v if v is None else {k: (fields[k](x) if k in fields else x) for k, x in v.items()}
+    return None
+
+
+def _decoded(rows: list[dict[str, Any]], decode: Any) -> list[dict[str, Any]]:
+    return rows if decode is None else [decode(row) for row in rows]
+
+
+class MapSource:
+    """A `datasets.Dataset` read as raw Arrow rows (no image decoding), 256 at a time; its position is a row number.
+
+    With the [`~hf_packing.data.META_COLUMNS`], planning reads only those columns (and the source tag) and
+    [`~MapSource.fetch`] reads a whole row by number when its pack is processed.
+    """
+
+    def __init__(self, ds: Any) -> None:
+        self.ds, self.size = ds.with_format("arrow"), len(ds)
+        self.lazy = set(META_COLUMNS) <= set(ds.column_names)
+        keep = [c for c in ds.column_names if c in META_COLUMNS or c == SOURCE_COLUMN]
+        self.plan_ds = ds.select_columns(keep).with_format("arrow") if self.lazy else self.ds
+        self.decode = _json_decoder(ds.features)
+
+    def rows(self, state: int | None, epoch: int) -> Iterator[tuple[dict[str, Any], int]]:
+        for start in range(state or 0, self.size, 256):
+            rows = self.plan_ds[start : start + 256].to_pylist()
+            for k, row in enumerate(rows if self.lazy else _decoded(rows, self.decode)):
+                yield row, start + k + 1
+
+    def fetch(self, index: int) -> dict[str, Any]:
+        return _decoded(self.ds[index].to_pylist(), self.decode)[0]
+
+
+class IterSource:
+    """A `datasets.IterableDataset`; its position is its own `state_dict()`, taken after every row (~2 us)."""
+
+    size, lazy = None, False
+
+    def __init__(self, ds: Any) -> None:
+        if getattr(ds, "_distributed", None) is not None:
+            raise ValueError("pass the dataset before split_dataset_by_node(): pack_dataset splits packs by rank itself")
+        if ds.features is not None:  # images as {"bytes", "path"}: headers are read, pixels only for placed rows
+            ds = ds.decode(False)
+        self.ds = ds
+        self.decode = _json_decoder(ds.features) if ds.features is not None else None
+
+    def rows(self, state: dict[str, Any] | None, epoch: int) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        ds = copy.copy(self.ds)
+        if hasattr(ds, "set_epoch"):
+            ds.set_epoch(epoch)
+        if state is not None:
+            ds.load_state_dict(state)
+        for batch in ds.iter(batch_size=1):
+            row = {k: v[0] for k, v in batch.items()}
+            yield (row if self.decode is None else self.decode(row)), ds.state_dict()
+
+
+def _tag(row: dict[str, Any], *, name: str) -> dict[str, Any]:
+    return {SOURCE_COLUMN: name}
+
+
+def make_source(ds: Any, weights: Any, seed: int, stopping_strategy: str) -> tuple[Any, list[str]]:
+    import datasets
+
+    names: list[str] = []
+    if isinstance(ds, Mapping):
+        names = [str(n) for n in ds]
+        parts = list(ds.values())
+        if any(isinstance(p, datasets.IterableDataset) for p in parts):  # undecoded before map() hides features
+            parts = [p if isinstance(p, datasets.IterableDataset) else p.to_iterable_dataset() for p in parts]
+            parts = [p.decode(False) if p.features is not None else p for p in parts]
+        parts = [p.map(functools.partial(_tag, name=n)) if isinstance(p, datasets.IterableDataset)
+                 else p.add_column(SOURCE_COLUMN, [n] * len(p)) for n, p in zip(names, parts, strict=True)]
+        probs = None
+        if weights is not None:
+            w = [float(weights[n]) for n in ds] if isinstance(weights, Mapping) else [float(x) for x in weights]
+            if len(w) != len(names) or min(w) < 0 or sum(w) <= 0:
+                raise ValueError(f"weights must give one non-negative weight per dataset ({names}), got {weights!r}")
+            probs = [x / sum(w) for x in w]
+        ds = datasets.interleave_datasets(parts, probabilities=probs, seed=seed, stopping_strategy=stopping_strategy)
+    elif weights is not None:
+        raise ValueError("weights= needs a {name: dataset} mapping as ds")
+    if isinstance(ds, datasets.Dataset):
+        return MapSource(ds), names
+    if isinstance(ds, datasets.IterableDataset):
+        return IterSource(ds), names
+    raise TypeError(f"ds must be a datasets.Dataset, datasets.IterableDataset or a dict of them, got {type(ds).__name__}")

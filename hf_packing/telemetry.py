@@ -1,0 +1,279 @@
+"""`PackingTelemetry`: packing throughput, padding and MFU, logged to whatever ``report_to`` is set.
+
+The callback never looks at the data pipeline. On train begin it registers a forward pre-hook
+(``with_kwargs=True``) on the model; every training forward hands it the batch the model really sees,
+rows or flat, from any collator, and it adds counts to on-device tensors (no host sync). At log time it
+syncs once (and, under torch.distributed, all-reduces one small vector, so numbers are totals over ranks)
+and adds ``packing/*`` keys to the ``logs`` dict:
+
+    tokens_per_s      real (non-pad) tokens per second of training wall time (eval / save time excluded)
+    padding_ratio     slots holding no real token / all slots of ``input_ids`` (rows mode pads rows; with
+                      apply_rmpad those slots are removed before any compute, so pack_fill is the FLOP metric)
+    pack_fill         real tokens / (packs × max_length); packs = micro-batches × per_device_train_batch_size
+    images_per_step, videos_per_step, vision_patches_per_step   per optimizer step
+    dropped_samples   cumulative samples not trained on (stats() dropped + skipped, all reasons), rank 0's
+    tflops_per_s_per_device, mfu       when the model's parameter counts are known (and a peak for mfu)
+
+FLOPs per optimizer step (forward + backward, the usual 6·N·T, attention counted per document)::
+
+    6·N·T  +  6·L·d·Σ_i len_i²  +  c_v·N_v·P
+
+    N    text parameters without the input-embedding lookup (decoder layers, final norm, the LM head
+         matmul d·V even when tied); MoE experts count k/E of their weights (only the active ones)
+    T    real tokens; len_i each document's length (from cu_seqlens / cu_seq_lens_q, else a row's
+         attention_mask sum, else the row); L layers; d = heads·head_dim
+    6·L·d·len²  QKᵀ and AV: 2·2·len²·d forward per layer, ×3 with backward, ½ for the causal mask
+    N_v  vision-tower parameters per patch (merger weights / merge², as it runs on merged tokens)
+    P    vision patches Σ t·h·w of image_grid_thw and video_grid_thw; c_v = 6, or 2 if the tower is frozen
+         (forward only). Vision attention and a dummy_vision image are not counted.
+
+MFU = FLOPs / (seconds × peak × world_size); peak from ``peak_tflops`` or the CUDA device name (H100 /
+H200 SXM bf16 dense 989 TFLOP/s, A100 312), otherwise MFU is omitted.
+
+The Trainer calls user callbacks after its reporting callbacks, so a plain ``callbacks=[...]`` would add
+the keys after WandB / TensorBoard have logged. Use `add_telemetry`, which puts the callback first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+PREFIX = "packing/"
+#: (substring of torch.cuda.get_device_name(), dense bf16 TFLOP/s); first match wins.
+PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0), ("H800", 989.0),
+    ("A100", 312.0), ("A800", 312.0),
+)  # fmt: skip
+_DEVICE_KEYS = ("real", "sq", "patches")  # accumulated as on-device int64
+_HOST_KEYS = ("real_host", "sq_host", "slots", "images", "videos", "forwards")
+
+
+def default_peak_tflops() -> float | None:
+    """Dense bf16 peak of the current CUDA device, or ``None`` when unknown (or no CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """What the FLOP formula needs from a model (see the module docstring)."""
+
+    n_text: float
+    n_vision: float
+    n_layers: int
+    attn_dim: int
+    vision_trainable: bool = True
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> "ModelFlops":
+        config = getattr(model, "config", None)
+        if hasattr(model, "get_base_model"):  # PEFT
+            config = model.get_base_model().config
+        text = config.get_text_config()
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1) or 1
+        experts, active = getattr(text, "num_experts", None), getattr(text, "num_experts_per_tok", None)
+        n_text = n_vision = 0.0
+        vision_trainable = False
+        for name, p in model.named_parameters(remove_duplicate=False):  # a tied lm_head still costs a matmul
+            numel = float(getattr(p, "ds_numel", p.numel()))  # DeepSpeed ZeRO-3 partitions hold numel 0
+            if ".visual." in f".{name}":
+                if "pos_embed" in name:
+                    continue
+                n_vision += numel / merge**2 if ".merger" in name else numel
+                vision_trainable |= p.requires_grad
+            elif "embed_tokens" not in name:
+                n_text += numel * active / experts if experts and active and ".experts." in name else numel
+        return cls(n_text, n_vision, text.num_hidden_layers, heads * head_dim, vision_trainable)
+
+    def flops(self, *, real_tokens: float, sum_sq_lens: float, vision_patches: float) -> float:
+        """Training FLOPs (forward + backward) for the given counts."""
+        attention = 6.0 * self.n_layers * self.attn_dim * sum_sq_lens
+        vision = (6.0 if self.vision_trainable else 2.0) * self.n_vision * vision_patches
+        return 6.0 * self.n_text * real_tokens + attention + vision
+
+
+def _total(value: Any) -> float:
+    """A stats() entry as a number: ints stay, dicts of reason → count are summed."""
+    if isinstance(value, dict):
+        return float(sum(_total(v) for v in value.values()))
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+class PackingTelemetry(TrainerCallback):
+    """Log packing efficiency and MFU; see the module docstring for the keys and the FLOP formula.
+
+    Args:
+        max_length (`int`, *optional*): the packer's token budget; enables ``pack_fill``.
+        peak_tflops (`float`, *optional*): per-device peak; default from the CUDA device name.
+        dataset (*optional*): an object with ``stats()`` (e.g. `pack_dataset`'s); enables ``dropped_samples``.
+        model_flops (`ModelFlops`, *optional*): override the parameter counts read from the model.
+        all_reduce (`bool`, *optional*): sum counts over ranks when torch.distributed is initialised (default).
+            With ``False`` each rank logs its own numbers and the reporters (rank 0) show rank 0's.
+    """
+
+    def __init__(self, *, max_length: int | None = None, peak_tflops: float | None = None, dataset: Any = None,
+                 model_flops: ModelFlops | None = None, all_reduce: bool = True) -> None:
+        self.max_length, self.dataset, self.all_reduce = max_length, dataset, all_reduce
+        self.peak_tflops = peak_tflops if peak_tflops is not None else default_peak_tflops()
+        self.model_flops, self._handle, self._packs_per_batch = model_flops, None, 1
+        self._reset()
+
+    # ------------------------------------------------------------------------------------------ counting
+    def _reset(self) -> None:
+        self._acc: torch.Tensor | None = None  # created on the first batch's device
+        self._host = dict.fromkeys(_HOST_KEYS, 0)
+
+    def _add(self, index: int, value: torch.Tensor) -> None:
+        if self._acc is None:
+            self._acc = torch.zeros(len(_DEVICE_KEYS), dtype=torch.int64, device=value.device)
+        self._acc[index] += value.to(self._acc.device, non_blocking=True)
+
+    def _pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if module.training:
+            self.observe(kwargs.get("input_ids", args[0] if args else None), kwargs)
+
+    def observe(self, input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+        """Count one micro-batch given the model call's kwargs (what the hook does)."""
+        source = input_ids if isinstance(input_ids, torch.Tensor) else kwargs.get("inputs_embeds")
+        if not isinstance(source, torch.Tensor):
+            return
+        shape, host = source.shape[:2], self._host
+        host["forwards"] += 1
+        host["slots"] += shape.numel()
+        mask = kwargs.get("attention_mask")
+        mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        if mask is not None:
+            self._add(0, mask.sum())
+        else:
+            host["real_host"] += shape.numel()
+        cu = kwargs.get("cu_seqlens", kwargs.get("cu_seq_lens_q"))
+        if isinstance(cu, torch.Tensor):
+            self._add(1, (cu[1:] - cu[:-1]).long().pow(2).sum())
+        elif mask is not None:
+            self._add(1, mask.sum(-1).long().pow(2).sum())
+        else:  # no boundaries given: each row is one document (an upper bound for packed rows)
+            host["sq_host"] += shape[0] * shape[-1] ** 2
+        for key, count_key in (("image_grid_thw", "images"), ("video_grid_thw", "videos")):
+            grid = kwargs.get(key)
+            if isinstance(grid, torch.Tensor) and grid.numel():
+                host[count_key] += grid.shape[0]
+                self._add(2, grid.long().prod(-1).sum())
+
+    def _dropped(self) -> float | None:
+        """Samples the dataset will not train on: ``stats()["dropped"]`` + ``["skipped"]`` (all reasons)."""
+        if self.dataset is None or not hasattr(self.dataset, "stats"):
+            return None
+        try:
+            stats = self.dataset.stats(log=False)
+        except TypeError:
+            stats = self.dataset.stats()
+        return _total(stats.get("dropped", 0)) + _total(stats.get("skipped", 0))
+
+    def counts(self, device: torch.device | str | None = None) -> dict[str, float]:
+        """The counts since the last log, synced (and summed over ranks when all-reducing)."""
+        dev = self._acc.device if self._acc is not None else torch.device(device or "cpu")
+        dtype = torch.float32 if dev.type == "mps" else torch.float64
+        acc = self._acc.to(dtype) if self._acc is not None else torch.zeros(len(_DEVICE_KEYS), dtype=dtype, device=dev)
+        dropped = self._dropped()
+        reduce = self.all_reduce and torch.distributed.is_available() and torch.distributed.is_initialized()
+        # pack_dataset plans on every rank alike, so its counts are already global: only rank 0's go in the sum.
+        extra = [float(dropped is not None), dropped or 0.0]
+        if reduce and torch.distributed.get_rank() != 0:
+            extra = [0.0, 0.0]
+        vec = torch.cat([acc, torch.tensor([self._host[k] for k in _HOST_KEYS] + extra, dtype=dtype, device=dev)])
+        if reduce:
+            torch.distributed.all_reduce(vec)
+        v = dict(zip(_DEVICE_KEYS + _HOST_KEYS + ("has_stats", "dropped"), vec.tolist()))
+        return {"real_tokens": v["real"] + v["real_host"], "sum_sq_lens": v["sq"] + v["sq_host"],
+                "vision_patches": v["patches"], **{k: v[k] for k in _HOST_KEYS[2:] + ("has_stats", "dropped")}}  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def attach(self, model: torch.nn.Module) -> None:
+        """Start counting the training forwards of ``model`` (the outermost module the Trainer calls)."""
+        self.detach()
+        self._handle = model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        if self.model_flops is None:
+            try:
+                self.model_flops = ModelFlops.from_model(model)
+            except (AttributeError, TypeError, ZeroDivisionError):  # not a transformers VLM: no FLOP keys
+                self.model_flops = None
+        self._reset()
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._packs_per_batch = args.per_device_train_batch_size
+        self._device = args.device
+        self._world = max(1, args.world_size if self.all_reduce else 1)
+        if model is not None:
+            self.attach(model)
+        self._window_start = self._mark = time.perf_counter()
+        self._excluded, self._last_step = 0.0, state.global_step
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.detach()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._mark = time.perf_counter()
+
+    def _exclude(self, *args: Any, **kwargs: Any) -> None:  # eval / checkpointing after a step is not training
+        now = time.perf_counter()
+        self._excluded, self._mark = self._excluded + now - self._mark, now
+
+    on_evaluate = on_save = _exclude
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # Only the Trainer's periodic training logs: every rank reaches them together (safe all_reduce).
+        if logs is None or "loss" not in logs or self._handle is None:
+            return
+        now = time.perf_counter()
+        seconds = max(now - self._window_start - self._excluded, 1e-9)
+        steps = max(state.global_step - self._last_step, 1)
+        c = self.counts(getattr(self, "_device", None))
+        new = {"tokens_per_s": c["real_tokens"] / seconds,
+               "padding_ratio": 1.0 - c["real_tokens"] / c["slots"] if c["slots"] else 0.0}  # fmt: skip
+        if self.max_length and c["forwards"]:
+            new["pack_fill"] = c["real_tokens"] / (c["forwards"] * self._packs_per_batch * self.max_length)
+        for key in ("images", "videos", "vision_patches"):
+            new[f"{key}_per_step"] = c[key] / steps
+        if c["has_stats"]:
+            new["dropped_samples"] = c["dropped"]
+        if self.model_flops is not None:
+            flops = self.model_flops.flops(real_tokens=c["real_tokens"], sum_sq_lens=c["sum_sq_lens"],
+                                           vision_patches=c["vision_patches"])  # fmt: skip
+            new["tflops_per_s_per_device"] = flops / seconds / self._world / 1e12
+            if self.peak_tflops:
+                new["mfu"] = new["tflops_per_s_per_device"] / self.peak_tflops
+        new = {PREFIX + k: v for k, v in new.items()}
+        logs.update(new)
+        # Trainer.log appends a copy of `logs` to log_history before calling on_log; keep it in step.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(new)
+        self._reset()
+        self._window_start = self._mark = now
+        self._excluded, self._last_step = 0.0, state.global_step
+
+
+def add_telemetry(trainer: Any, **kwargs: Any) -> PackingTelemetry:
+    """Create a `PackingTelemetry` and put it first in ``trainer.callback_handler.callbacks``.
+
+    First, so that its keys are in ``logs`` before the reporting callbacks (WandB, TensorBoard, ...) run.
+    ``dataset`` defaults to ``trainer.train_dataset`` when that has ``stats()``. Returns the callback.
+    """
+    if "dataset" not in kwargs and hasattr(trainer.train_dataset, "stats"):
+        kwargs["dataset"] = trainer.train_dataset
+    callback = PackingTelemetry(**kwargs)
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback

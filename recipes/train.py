@@ -1,0 +1,214 @@
+"""Packed, padding-free fine-tuning of a Qwen-VL model with the Hugging Face Trainer.
+
+    python recipes/train.py recipes/configs/qwen2_5_vl_3b.yaml                    # a YAML config
+    python recipes/train.py recipes/configs/qwen2_5_vl_3b.yaml --max_steps 100    # flags after it override it
+    accelerate launch --config_file recipes/accelerate/fsdp2.yaml recipes/train.py recipes/configs/qwen2_5_vl_7b.yaml
+    python recipes/train.py --model_name_or_path ... --dataset_path data.jsonl --output_dir out ...   # flags only
+
+Pipeline: local dataset(s) → `pack_dataset` (one pack = one micro-batch, rank-equal) → `VisionCollator`
+→ a model patched by `apply_rmpad` before it is loaded → Trainer, with `PackingTelemetry` in front of the
+reporting callbacks. See recipes/README.md for launch lines, FSDP2 / ZeRO notes and resuming.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+logger = logging.getLogger("hf_packing.recipes")
+
+_LM_LINEARS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(metadata={"help": "checkpoint dir or hub id of a Qwen-VL model"})
+    processor_name_or_path: str | None = field(default=None, metadata={"help": "default: model_name_or_path"})
+    dtype: str = field(default="bfloat16", metadata={"help": "weights dtype: bfloat16 | float16 | float32 | auto"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "transformers attention for unpatched parts"})
+    rmpad: bool = field(default=True, metadata={"help": "apply hf_packing.apply_rmpad (padding-free forward)"})
+    attn_backend: str = field(default="auto", metadata={"help": "auto | flash_attn | torch_varlen | reference"})
+    dummy_vision: bool = field(
+        default=False, metadata={"help": "run the vision tower on text-only micro-batches (needed for FSDP / ZeRO-3 / DDP)"}
+    )
+    loss_chunk_size: int | None = field(default=None, metadata={"help": "rows per linear+CE chunk"})
+    use_liger: bool | None = field(default=None, metadata={"help": "force Liger fused linear CE on/off"})
+    freeze_vision_tower: bool = field(default=False, metadata={"help": "requires_grad=False on model.model.visual"})
+    use_lora: bool = field(default=False, metadata={"help": "train LoRA adapters (PEFT) instead of all weights"})
+    lora_r: int = 64
+    lora_alpha: int = 128
+    lora_dropout: float = 0.05
+    lora_target_modules: str = field(
+        default=_LM_LINEARS, metadata={"help": "regex (full match) or comma-separated module names; default: LM linears"}
+    )
+
+
+@dataclass
+class DataArguments:
+    dataset_path: list[str] = field(
+        default_factory=list, metadata={"help": "json/jsonl/parquet/arrow file(s), globs, dirs of them, or saved datasets dirs"}
+    )
+    image_root: str | None = field(default=None, metadata={"help": "directory relative image paths start from"})
+    streaming: bool = field(default=False, metadata={"help": "read the data lazily (datasets streaming)"})
+    weights: list[float] | None = field(default=None, metadata={"help": "sampling weights, one per dataset_path"})
+    shuffle_seed: int | None = field(default=None, metadata={"help": "shuffle rows first (pack_dataset does not)"})
+
+
+@dataclass
+class PackingArguments:
+    max_length: int = field(default=8192, metadata={"help": "tokens per pack"})
+    strategy: str = field(default="bfd", metadata={"help": "next_fit | ffd | bfd | balanced"})
+    max_images: int | None = field(default=16, metadata={"help": "images per pack (pack_dataset's default)"})
+    max_vision_patches: int | None = field(
+        default=65536, metadata={"help": "Σ t·h·w vision patches per pack: bounds the vision tower's memory"}
+    )
+    buffer_size: int = field(default=1000, metadata={"help": "samples planned together"})
+    on_overlong: str = field(default="drop", metadata={"help": "what to do with a sample > max_length"})
+    collator_mode: str = field(default="rows", metadata={"help": "rows (rmpad patch) | flat (transformers-native)"})
+
+
+PARSER_TYPES = (ModelArguments, DataArguments, PackingArguments, TrainingArguments)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, PackingArguments, TrainingArguments]:
+    """``[config.yaml] [--flag value ...]``: the YAML sets defaults, flags after it override them."""
+    import yaml
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser(PARSER_TYPES)
+    if argv and argv[0].endswith((".yaml", ".yml")):
+        config = yaml.safe_load(Path(argv.pop(0)).read_text()) or {}
+        unknown = sorted(set(config) - {action.dest for action in parser._actions})
+        if unknown:
+            raise ValueError(f"unknown keys in the config file: {unknown}")
+        parser.set_defaults(**config)
+        for action in parser._actions:  # a value from the YAML satisfies a required flag
+            action.required = action.required and action.dest not in config
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def prepare_training_args(args: TrainingArguments) -> TrainingArguments:
+    """Settings packed, variable-shape batches need, whatever the config says."""
+    if args.per_device_train_batch_size != 1:
+        logger.warning("per_device_train_batch_size=%d overridden to 1: a pack is the batch; raise "
+                       "max_length or gradient_accumulation_steps instead", args.per_device_train_batch_size)  # fmt: skip
+        args.per_device_train_batch_size = 1
+    args.remove_unused_columns = False  # samples carry pixel_values, grids, mm_token_type_ids
+    # Every rank reads its own packs (pack_dataset splits by rank); batches differ in shape, so rank 0
+    # must not read and broadcast them (dispatch) nor split one batch across ranks.
+    args.accelerator_config.dispatch_batches = False
+    args.accelerator_config.split_batches = False
+    if args.max_steps <= 0:
+        raise ValueError("set max_steps: a packed stream has no length, so num_train_epochs cannot define the run")
+    return args
+
+
+def _builder(path: str) -> str:
+    suffix = path.rsplit(".", 1)[-1].lower()
+    builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "arrow": "arrow"}.get(suffix)
+    if builder is None:
+        raise ValueError(f"cannot read {path!r}: expected json/jsonl/parquet/arrow files or a saved datasets dir")
+    return builder
+
+
+def load_one(path: str, *, streaming: bool) -> Any:
+    """A saved ``datasets`` dir (``load_from_disk``) or local data files (``load_dataset``), split ``train``."""
+    import datasets
+
+    p = Path(path)
+    if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
+        ds = datasets.load_from_disk(str(p))
+        ds = ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
+        return ds.to_iterable_dataset() if streaming else ds
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.suffix.lstrip(".") in ("json", "jsonl", "parquet", "arrow"))
+        if not files:
+            raise ValueError(f"no json/jsonl/parquet/arrow files in {path!r}")
+        data_files: Any = [str(f) for f in files]
+    elif p.exists() or any(ch in path for ch in "*?["):
+        data_files = path
+    else:
+        raise FileNotFoundError(f"dataset_path {path!r} does not exist")
+    first = data_files[0] if isinstance(data_files, list) else data_files
+    return datasets.load_dataset(_builder(first), data_files=data_files, split="train", streaming=streaming)
+
+
+def load_model(model_args: ModelArguments):
+    """Patch (before loading, as `apply_rmpad` patches classes), load, then freeze / wrap in LoRA."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    import hf_packing
+
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+    if model_args.rmpad:
+        hf_packing.apply_rmpad(config.model_type, attn_backend=model_args.attn_backend,
+                               dummy_vision=model_args.dummy_vision, loss_chunk_size=model_args.loss_chunk_size,
+                               use_liger=model_args.use_liger)  # fmt: skip
+    dtype = model_args.dtype if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
+    model = AutoModelForImageTextToText.from_pretrained(
+        model_args.model_name_or_path, dtype=dtype, attn_implementation=model_args.attn_implementation
+    )
+    model.config.use_cache = False
+    if model_args.freeze_vision_tower:
+        model.model.visual.requires_grad_(False)  # the ViT and its merger; the LLM still trains
+    if model_args.use_lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = model_args.lora_target_modules
+        lora = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
+                          target_modules=targets.split(",") if "," in targets else targets, task_type="CAUSAL_LM")  # fmt: skip
+        model = get_peft_model(model, lora)
+        model.print_trainable_parameters()
+    return model
+
+
+def main(argv: list[str] | None = None) -> Trainer:
+    from transformers import AutoProcessor
+
+    from hf_packing import VisionCollator, prepare_trainer
+    from hf_packing.stream import pack_dataset
+
+    model_args, data_args, packing, training_args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)
+    training_args = prepare_training_args(training_args)
+    if not data_args.dataset_path:
+        raise ValueError("set dataset_path (one or more local files / saved datasets dirs)")
+    if data_args.weights is not None and len(data_args.weights) != len(data_args.dataset_path):
+        raise ValueError(f"{len(data_args.weights)} weights for {len(data_args.dataset_path)} dataset_path entries")
+
+    processor = AutoProcessor.from_pretrained(model_args.processor_name_or_path or model_args.model_name_or_path)
+    sources = {}
+    for i, path in enumerate(data_args.dataset_path):  # name -> rows; pack_dataset mixes a dict by `weights`
+        ds = load_one(path, streaming=data_args.streaming)
+        if data_args.shuffle_seed is not None:
+            ds = ds.shuffle(seed=data_args.shuffle_seed)
+        sources[f"{i}:{Path(path).stem}"] = ds
+    packs = pack_dataset(
+        next(iter(sources.values())) if len(sources) == 1 else sources, processor, max_length=packing.max_length,
+        strategy=packing.strategy, max_images=packing.max_images, max_vision_patches=packing.max_vision_patches,
+        buffer_size=packing.buffer_size, seed=training_args.seed, weights=data_args.weights,
+        image_root=data_args.image_root, on_overlong=packing.on_overlong, rank=training_args.process_index,
+        world_size=training_args.world_size, batch_size=training_args.per_device_train_batch_size,
+    )  # fmt: skip
+    model = load_model(model_args)
+    collator = VisionCollator(processor, mode=packing.collator_mode, model_config=model.config)
+    trainer = Trainer(model=model, args=training_args, train_dataset=packs, data_collator=collator,
+                      processing_class=processor)
+    prepare_trainer(trainer, max_length=packing.max_length)  # keep each rank's packs; telemetry before reporters
+    resume = training_args.resume_from_checkpoint
+    trainer.train(resume_from_checkpoint=True if resume in ("true", "True", "last") else resume)
+    if trainer.is_fsdp_enabled:  # sharded checkpoints resume fast; the final model is one consolidated copy
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    trainer.save_model()
+    logger.info("packing stats: %s", packs.stats(log=False))
+    return trainer
+
+
+if __name__ == "__main__":
+    main()

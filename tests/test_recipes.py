@@ -1,0 +1,190 @@
+"""recipes/: every YAML parses, accelerate accepts its configs, and train.py trains 2 steps on CPU offline."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import yaml
+from conftest import image
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+TRAIN_CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((RECIPES / "accelerate").glob("*.yaml"))
+EXPECTED_TYPES = {"single_gpu": "NO", "ddp": "MULTI_GPU", "fsdp2": "FSDP", "deepspeed_zero2": "DEEPSPEED",
+                  "deepspeed_zero3": "DEEPSPEED", "multi_node": "FSDP"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def train():
+    spec = importlib.util.spec_from_file_location("recipes_train", RECIPES / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_file_is_there():
+    assert {p.stem for p in TRAIN_CONFIGS} == {"qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_8b", "tiny_cpu"}
+    assert {p.stem for p in ACCELERATE_CONFIGS} == set(EXPECTED_TYPES)
+    assert (RECIPES / "README.md").exists()
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.stem)
+def test_training_configs_parse_into_the_dataclasses(train, path):
+    config = yaml.safe_load(path.read_text())
+    assert isinstance(config, dict) and config["max_steps"] > 0
+    # bf16 needs a GPU to validate; --use_cpu lets the GPU configs build their TrainingArguments here.
+    model_args, data_args, packing, args = train.parse_args([str(path), "--use_cpu"])
+    assert model_args.model_name_or_path == config["model_name_or_path"]
+    assert data_args.dataset_path == config["dataset_path"] and packing.max_length == config["max_length"]
+    if path.stem != "tiny_cpu":
+        assert args.bf16 and args.activation_checkpointing and model_args.dummy_vision
+        assert args.lr_scheduler_type == "cosine" and args.learning_rate in (1e-5, 2e-5) and args.warmup_steps > 0
+        assert packing.max_length in (8192, 16384) and packing.max_vision_patches
+
+
+def test_cli_flags_override_the_yaml_and_unknown_keys_fail(train, tmp_path):
+    _, _, packing, args = train.parse_args([str(RECIPES / "configs/tiny_cpu.yaml"), "--max_length", "128"])
+    assert packing.max_length == 128 and args.max_steps == 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model_name_or_path: x\nlearnin_rate: 1.0e-5\n")
+    with pytest.raises(ValueError, match="learnin_rate"):
+        train.parse_args([str(bad)])
+
+
+def test_prepare_training_args_forces_pack_settings(train, caplog):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir="unused", use_cpu=True, per_device_train_batch_size=4, max_steps=3, report_to=[])
+    with caplog.at_level(logging.WARNING, logger="hf_packing.recipes"):
+        args = train.prepare_training_args(args)
+    assert "overridden to 1" in caplog.text and args.per_device_train_batch_size == 1
+    assert args.remove_unused_columns is False
+    assert args.accelerator_config.dispatch_batches is False and args.accelerator_config.split_batches is False
+    with pytest.raises(ValueError, match="max_steps"):
+        train.prepare_training_args(TrainingArguments(output_dir="unused", use_cpu=True, report_to=[]))
+
+
+def test_load_one_reads_local_files_and_saved_dirs(train, tmp_path):
+    import datasets
+
+    rows = [{"messages": [{"role": "user", "content": "hi"}], "images": []}] * 3
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "p").mkdir()
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p" / "0.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    assert len(train.load_one(str(tmp_path / "a.jsonl"), streaming=False)) == 3
+    assert len(train.load_one(str(tmp_path / "p"), streaming=False)) == 3
+    assert len(train.load_one(str(tmp_path / "saved"), streaming=False)) == 3
+    assert len(list(train.load_one(str(tmp_path / "saved"), streaming=True))) == 3
+    assert len(list(train.load_one(str(tmp_path / "a.jsonl"), streaming=True))) == 3
+    with pytest.raises(FileNotFoundError):
+        train.load_one(str(tmp_path / "missing.jsonl"), streaming=False)
+
+
+# ------------------------------------------------------------------------------------------ accelerate
+def _launch_env(path: Path) -> tuple[object, dict[str, str]]:
+    """What `accelerate launch --config_file path` validates and exports, without launching."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    args, defaults, mp_from_config = _validate_launch_command(
+        launch_command_parser().parse_args(["--config_file", str(path), "recipes/train.py"])
+    )
+    if args.use_deepspeed:  # as launch_command does before deepspeed_launcher
+        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mp_from_config else [])
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        return args, prepare_deepspeed_cmd_env(args)[1]
+    if args.use_fsdp or args.multi_gpu:
+        return args, prepare_multi_gpu_env(args)
+    return args, prepare_simple_launcher_cmd_env(args)[1]
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
+def test_accelerate_loads_and_launch_accepts_the_configs(path):
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    config = load_config_from_file(str(path))  # rejects unknown top-level keys
+    assert isinstance(config, ClusterConfig) and config.distributed_type.value == EXPECTED_TYPES[path.stem]
+    assert config.mixed_precision == "bf16"
+    # `accelerate launch` copies nested keys onto its namespace without checking them: check them here.
+    launch_flags = {action.dest for action in launch_command_parser()._actions}
+    nested = [k if k.startswith("fsdp_") else f"fsdp_{k}" for k in (config.fsdp_config or {})]
+    nested += list(config.deepspeed_config or {})
+    assert set(nested) <= launch_flags, set(nested) - launch_flags
+
+    args, env = _launch_env(path)
+    assert args.num_processes == (16 if path.stem == "multi_node" else 1 if path.stem == "single_gpu" else 8)
+    with mock.patch.dict(os.environ, env, clear=True):  # the plugins the Trainer's Accelerator will build
+        if args.use_fsdp:
+            plugin = FullyShardedDataParallelPlugin()
+            assert plugin.fsdp_version == 2 and plugin.cpu_ram_efficient_loading
+            assert plugin.transformer_cls_names_to_wrap == ["Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"]
+            assert plugin.activation_checkpointing is False  # the Trainer's activation_checkpointing does it
+        if args.use_deepspeed:
+            ds = DeepSpeedPlugin().deepspeed_config
+            assert ds["zero_optimization"]["stage"] == int(path.stem[-1])
+            # left "auto" so the Trainer fills them from the training config: the two can never disagree
+            assert ds["gradient_accumulation_steps"] == "auto" and ds["gradient_clipping"] == "auto"
+    if path.stem == "multi_node":
+        assert (config.num_machines, config.main_process_port) == (2, 29500) and config.main_process_ip
+
+
+def test_fsdp_wrap_classes_exist_in_transformers():
+    import transformers
+
+    fsdp = yaml.safe_load((RECIPES / "accelerate/fsdp2.yaml").read_text())["fsdp_config"]
+    names = fsdp["fsdp_transformer_layer_cls_to_wrap"].split(",")
+    assert transformers.Qwen2_5_VLForConditionalGeneration._no_split_modules == names
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def _write_data(root: Path) -> Path:
+    """A LLaVA-style jsonl (text-only, one- and two-image rows) and two PNGs under root/images."""
+    (root / "images").mkdir(parents=True)
+    image(56, 84, 1).save(root / "images" / "a.png")
+    image(112, 56, 2).save(root / "images" / "b.png")
+    turn = lambda human, gpt: [{"from": "human", "value": human}, {"from": "gpt", "value": gpt}]  # noqa: E731
+    rows = [
+        {"conversations": turn("<image>\nDescribe the image.", "A red car near a small house."), "images": ["a.png"]},
+        {"conversations": turn("Hi", "Hello, how can I help?"), "images": []},
+        {"conversations": turn("<image>\n<image>\nCompare them.", "The first is wider."), "images": ["a.png", "b.png"]},
+        {"conversations": turn("What colour is the sky?", "Blue, mostly."), "images": []},
+    ] * 4  # fmt: skip
+    path = root / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch):
+    try:
+        from hf_packing.stream import pack_dataset  # noqa: F401
+    except ImportError as error:
+        pytest.skip(f"hf_packing.stream.pack_dataset is not importable yet ({error}); train.py needs it")
+    from hf_packing.tiny import save_tiny_checkpoint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    model_dir = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
+    data = _write_data(tmp_path / "data")
+    trainer = train.main([
+        str(RECIPES / "configs/tiny_cpu.yaml"), "--model_name_or_path", str(model_dir), "--dataset_path", str(data),
+        "--image_root", str(tmp_path / "data" / "images"), "--output_dir", str(tmp_path / "out"),
+    ])  # fmt: skip
+    assert trainer.state.global_step == 2
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    for key in ("tokens_per_s", "padding_ratio", "pack_fill", "images_per_step", "tflops_per_s_per_device"):
+        assert all(f"packing/{key}" in h for h in logs), key
+    assert all(0 < h["packing/pack_fill"] <= 1 for h in logs)
+    assert (tmp_path / "out" / "model.safetensors").exists()

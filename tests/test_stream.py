@@ -1,0 +1,366 @@
+"""pack_dataset: map-style == streaming, budgets, workers, ranks, resume, errors, mixing, stats; a 2-process run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import image, load_processor
+from datasets import Dataset
+from torch.utils.data import DataLoader
+
+from hf_packing.data import Preprocessor, SampleError
+from hf_packing.stream import pack_dataset
+
+ROWS = 48
+
+
+def _rows(root: Path, n: int, seed: int, tag: str = "") -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        k = int(rng.choice([0, 1, 1, 1, 2, 3]))
+        names = []
+        for j in range(k):
+            name = f"{tag}{i}_{j}.jpg"
+            image(int(rng.integers(20, 300)), int(rng.integers(20, 300)), seed * 1000 + i * 10 + j).save(root / name)
+            names.append(name)
+        question = "<image>" * k + "\nDescribe " + "and this " * int(rng.integers(0, 20))
+        answer = f"{tag}answer " + "word " * int(rng.integers(1, 120))
+        rows.append({"image": names, "conversations": [{"from": "human", "value": question},
+                                                       {"from": "gpt", "value": answer}]})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("images")
+    rows = _rows(root, ROWS, 0)
+    rows[5]["image"] = ["missing.jpg"]  # skipped while planning: missing_file
+    rows[9]["conversations"][1]["value"] = "long " * 900  # skipped while planning: overlong
+    return {"root": root, "ds": Dataset.from_list(rows), "processor": load_processor("qwen2_vl")}
+
+
+def make(data, ds=None, **kw):
+    kw = {"max_length": 512, "buffer_size": 16, "image_root": str(data["root"]), "disable_progress": True, **kw}
+    return pack_dataset(data["ds"] if ds is None else ds, data["processor"], **kw)
+
+
+def ids(packs) -> list[list[int]]:
+    return [[s["index"] for s in pack] for pack in packs]
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    train = make(data)
+    packs = list(train)
+    return {"packs": packs, "ids": ids(packs), "stats": train.stats(log=False)}
+
+
+def test_map_style_and_streaming_give_the_same_packs(data, reference):
+    for shards in (1, 4):
+        streamed = list(make(data, data["ds"].to_iterable_dataset(num_shards=shards)))
+        assert ids(streamed) == reference["ids"]
+    for a, b in zip(streamed, reference["packs"], strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x if isinstance(x[k], torch.Tensor))
+
+
+def test_packs_respect_budgets_and_hold_every_sample_once(data, reference):
+    stats = reference["stats"]
+    assert stats["skipped"] == {"missing_file": 1, "overlong": 1}
+    flat = [i for p in reference["ids"] for i in p]
+    assert sorted(flat) == [i for i in range(ROWS) if i not in (5, 9)]
+    assert stats["samples"] == len(flat) == stats["rows_read"] - 2 and stats["leftover_packs"] == 0
+    tight_train = make(data, max_images=2, max_vision_patches=600)
+    tight = list(tight_train)
+    three = sum(len(r["image"]) == 3 for k, r in enumerate(data["ds"]) if k not in (5, 9))
+    assert three and tight_train.stats(log=False)["skipped"]["too_many_images"] == three
+    assert len(tight) > len(reference["ids"]) - three // 2  # the patch budget splits packs further
+    for pack in tight:
+        assert sum(s["num_tokens"] for s in pack) <= 512
+        assert sum(len(s.get("image_grid_thw", ())) for s in pack) <= 2
+        assert sum(int(s["image_grid_thw"].prod(-1).sum()) for s in pack if "image_grid_thw" in s) <= 600
+        for s in pack:
+            assert s["input_ids"].dtype == torch.long and s["input_ids"].shape == s["labels"].shape
+            assert s["num_tokens"] == s["input_ids"].numel() == int(s["attention_mask"].sum())
+    assert 0.8 < stats["fill"] <= 1.0 and stats["padded_batch_fill"] < stats["fill"]
+    assert stats["complete"] and stats["samples_per_s"] > 0 and stats["images_per_pack"] > 0
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_same_batches_whatever_num_workers(data, batch_size):
+    def run(workers: int) -> list:
+        loader = DataLoader(make(data, batch_size=batch_size), batch_size=batch_size, num_workers=workers,
+                            collate_fn=lambda packs: ids(packs))
+        return list(loader)
+
+    base = run(0)
+    assert len(base) > 4 and run(2) == base
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rank_split_is_equal_disjoint_and_complete(data, reference, world_size):
+    ranks = [make(data, rank=r, world_size=world_size) for r in range(world_size)]
+    packs = [ids(train) for train in ranks]
+    stats = [train.stats(log=False) for train in ranks]
+    assert len({len(p) for p in packs}) == 1  # every rank yields the same number of packs
+    assert len(packs[0]) == len(reference["ids"]) // world_size
+    seen = [i for rank_packs in packs for pack in rank_packs for i in pack]
+    assert len(seen) == len(set(seen))  # disjoint
+    leftover = {s["leftover_packs"] for s in stats}
+    assert leftover == {len(reference["ids"]) % world_size}
+    all_samples = {i for p in reference["ids"] for i in p}
+    assert len(seen) + stats[0]["leftover_samples"] == len(all_samples) and set(seen) <= all_samples
+    # same global plan on every rank: the ranks' packs are the reference packs minus the final incomplete group
+    full = len(reference["ids"]) - stats[0]["leftover_packs"]
+    assert sorted(map(tuple, (p for rank_packs in packs for p in rank_packs))) == sorted(map(tuple, reference["ids"][:full]))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_resume_equals_the_uninterrupted_run(data, reference, streaming):
+    ds = data["ds"].to_iterable_dataset(num_shards=3) if streaming else data["ds"]
+    n = len(reference["ids"])
+    for k in (0, 1, 5, n - 1, n):
+        train = make(data, ds)
+        it = iter(train)
+        head = [next(it) for _ in range(k)]
+        state = json.loads(json.dumps(train.state_dict()))  # plain data
+        it.close()
+        resumed = make(data, ds)
+        resumed.load_state_dict(state)
+        assert ids(head) + ids(resumed) == reference["ids"], k
+        if k == n - 1:
+            assert resumed.stats(log=False)["samples"] == reference["stats"]["samples"]
+
+
+def test_resume_through_stateful_dataloader(data):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader(train):
+        return StatefulDataLoader(train, batch_size=2, num_workers=2, collate_fn=lambda packs: ids(packs))
+
+    full = list(loader(make(data, batch_size=2)))
+    first = loader(make(data, batch_size=2))
+    it = iter(first)
+    head = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    del it, first
+    second = loader(make(data, batch_size=2))
+    second.load_state_dict(state)
+    assert head + list(second) == full
+
+
+def test_state_from_other_settings_is_refused(data):
+    train = make(data)
+    it = iter(train)
+    next(it)
+    state = train.state_dict()
+    it.close()
+    with pytest.raises(ValueError, match="max_length"):
+        make(data, max_length=1024).load_state_dict(state)
+    other = make(data, rank=0, world_size=2)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="world_size"):
+        next(iter(other))
+
+
+def _producers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("hf_packing-")]
+
+
+def test_producer_errors_reach_the_consumer(data, monkeypatch):
+    with pytest.raises(SampleError, match="not found"):  # on_error="raise": the first bad row ends the pass
+        list(make(data, on_error="raise"))
+    with pytest.raises(ValueError, match="on_overlong='truncate_text'"):  # on_overlong="error" always raises
+        list(make(data, on_overlong="error"))
+    train = make(data)
+    rows = train._source.rows
+
+    def failing(state, epoch):  # the storage fails mid-pass: not a per-row problem, so it must surface
+        for n, item in enumerate(rows(state, epoch)):
+            if n == 30:
+                raise OSError("disk gone")
+            yield item
+
+    monkeypatch.setattr(train._source, "rows", failing)
+    start = time.monotonic()
+    with pytest.raises(OSError, match="disk gone"):
+        list(train)
+    assert time.monotonic() - start < 30
+    time.sleep(0.3)
+    assert not _producers()
+
+
+def test_unexpected_errors_in_a_row_are_counted_not_fatal(data, monkeypatch, caplog):
+    process = Preprocessor.process
+
+    def flaky(self, row, index=None, *, planned_tokens=None):
+        if index in (3, 4):
+            raise RuntimeError(f"boom at {index}")
+        return process(self, row, index, planned_tokens=planned_tokens)
+
+    monkeypatch.setattr(Preprocessor, "process", flaky)
+    with caplog.at_level(logging.WARNING, logger="hf_packing"):
+        train = make(data)
+        flat = [i for p in ids(train) for i in p]
+    assert 3 not in flat and 4 not in flat and len(flat) == ROWS - 4
+    assert train.stats(log=False)["skipped"]["unexpected_error"] == 2
+    (record,) = [r for r in caplog.records if "unexpected_error" in r.getMessage()]
+    assert record.exc_info is not None  # the traceback is logged once
+    clean = data["ds"].select([k for k in range(ROWS) if k not in (5, 9)])
+    with pytest.raises(RuntimeError, match="boom at [34]"):
+        list(make(data, clean, on_error="raise"))
+
+
+def test_closing_the_iterator_stops_the_thread(data):
+    it = iter(make(data, prefetch=1))
+    next(it)
+    assert _producers()
+    it.close()
+    assert not _producers()
+    it = iter(make(data, prefetch=1))
+    next(it)
+    del it  # garbage-collected generator: its finally stops the thread
+    time.sleep(0.2)
+    assert not _producers()
+
+
+def test_mixing_keeps_per_source_counts(data, tmp_path):
+    other = Dataset.from_list(_rows(tmp_path, 40, 1, tag="b"))
+    for streaming in (False, True):
+        sources = {"a": data["ds"], "b": other}
+        if streaming:
+            sources = {k: v.to_iterable_dataset(num_shards=2) for k, v in sources.items()}
+        roots = tmp_path  # both sources' images under one root
+        for name in os.listdir(data["root"]):
+            if not (roots / name).exists():
+                os.symlink(data["root"] / name, roots / name)
+        train = make(data, sources, weights={"a": 3.0, "b": 1.0}, image_root=str(roots))
+        packs = list(train)
+        stats = train.stats(log=False)
+        per = stats["per_source"]
+        assert per["a"]["rows"] + per["b"]["rows"] == stats["rows_read"]
+        assert per["a"]["samples"] + per["b"]["samples"] == stats["samples"] == sum(len(p) for p in packs)
+        assert 2 < per["a"]["rows"] / per["b"]["rows"] < 5  # ~3:1
+        from_b = sum(s["input_ids"].numel() > 0 and "banswer" in data["processor"].tokenizer.decode(s["input_ids"])
+                     for p in packs for s in p)
+        assert from_b == per["b"]["samples"]
+
+
+def test_len_is_known_only_after_planning(data, reference):
+    train = make(data)
+    with pytest.raises(TypeError, match="count_packs"):
+        len(train)
+    assert train.count_packs() == len(reference["ids"]) == len(train)
+
+
+def test_bad_rows_are_counted_by_reason_and_logged_once(data, tmp_path, caplog):
+    root = tmp_path / "root"
+    root.mkdir()
+    image(40, 40).save(root / "good.png")
+    (root / "empty.png").write_bytes(b"")
+    good = (root / "good.png").read_bytes()
+    (root / "cut.png").write_bytes(good[: len(good) // 2])
+    (tmp_path / "secret.png").write_bytes(good)
+    refs = ["good.png", "missing.png", "missing2.png", "empty.png", "cut.png", "../secret.png", "good.png"]
+    rows = [{"image": [r], "conversations": [{"from": "human", "value": "<image>\nWhat?"},
+                                             {"from": "gpt", "value": "A thing."}]} for r in refs]
+    rows.append({"image": ["good.png"], "conversations": [{"from": "human", "value": "No placeholder"},
+                                                          {"from": "gpt", "value": "x"}]})
+    rows.append({"image": [], "conversations": [{"from": "human", "value": "Only a question"}]})
+    with caplog.at_level(logging.WARNING, logger="hf_packing"):
+        train = make(data, Dataset.from_list(rows), image_root=str(root))
+        packs = list(train)
+    assert sorted(i for p in ids(packs) for i in p) == [0, 6]
+    assert train.stats(log=False)["skipped"] == {"missing_file": 2, "empty_image": 1, "corrupt_image": 1,
+                                                 "path_outside_root": 1, "placeholder_mismatch": 1,
+                                                 "no_assistant_turn": 1}
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 6 and any("sample 1 (missing_file)" in m for m in logged)
+
+
+def test_a_pack_whose_samples_all_fail_to_decode_is_replaced_by_a_filler(data, tmp_path):
+    import struct
+    import zlib
+
+    image(40, 30).save(tmp_path / "ok.png")
+    raw = (tmp_path / "ok.png").read_bytes()
+    out, pos = [raw[:8]], 8
+    while pos < len(raw):  # flip the compressed pixel bytes, keep valid CRCs: header and end marker are fine
+        (n,) = struct.unpack(">I", raw[pos : pos + 4])
+        kind, body = raw[pos + 4 : pos + 8], raw[pos + 8 : pos + 8 + n]
+        body = bytes(b ^ 0x5A for b in body) if kind == b"IDAT" else body
+        out.append(struct.pack(">I", n) + kind + body + struct.pack(">I", zlib.crc32(kind + body)))
+        pos += 12 + n
+    (tmp_path / "bad.png").write_bytes(b"".join(out))
+    row = {"image": ["bad.png"], "conversations": [{"from": "human", "value": "<image>\nWhat?"},
+                                                   {"from": "gpt", "value": "x"}]}
+    train = make(data, Dataset.from_list([row]), image_root=str(tmp_path))
+    (pack,) = list(train)
+    assert len(pack) == 1 and pack[0]["num_tokens"] == 1 and (pack[0]["labels"] == -100).all()
+    stats = train.stats(log=False)
+    assert stats["skipped"] == stats["skipped_while_processing"] == {"corrupt_image": 1, "empty_pack": 1}
+    assert stats["skipped_while_planning"] == {}
+
+
+def test_two_processes_with_uneven_shards(tmp_path):
+    """torchrun --nproc_per_node 2 (gloo): equal pack counts, disjoint samples, totals add up; an all_reduce per
+    pack would hang (and time out) if the ranks disagreed."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).parent / "multiproc_stream.py"), str(tmp_path), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    a, b = (r["packs"] for r in results)
+    assert len(a) == len(b) > 0
+    assert {i for p in a for i in p}.isdisjoint({i for p in b for i in p})
+    stats = results[0]["stats"]
+    assert results[0]["shards"] == [5, 17, 44]
+    assert stats["rows_read"] == 66 and stats["skipped"] == results[1]["stats"]["skipped"]
+    assert stats["skipped"] == {"corrupt_image": 1, "overlong": 1}
+    yielded = sum(len(p) for p in a + b)
+    assert yielded + stats["leftover_samples"] + sum(stats["skipped"].values()) == stats["rows_read"]
+    assert results[0]["all_reduce_steps"] == results[1]["all_reduce_steps"] == len(a)
+
+
+def test_precomputed_metadata_columns_plan_the_same_packs(data, reference):
+    pre = Preprocessor(data["processor"], image_root=str(data["root"]))
+    with_meta = data["ds"].map(pre.metadata_columns, with_indices=True)
+    assert with_meta[5]["hfp_skip"] == "missing_file" and with_meta[9]["hfp_num_tokens"] > 512
+    train = make(data, with_meta)
+    assert train._source.lazy and ids(train) == reference["ids"]
+    assert train.stats(log=False)["skipped"] == reference["stats"]["skipped"]
+    assert ids(make(data, with_meta.to_iterable_dataset(num_shards=2))) == reference["ids"]
+    stale = with_meta.map(lambda row, k: {"hfp_num_tokens": row["hfp_num_tokens"] + (k == 0)}, with_indices=True)
+    train = make(data, stale)
+    assert 0 not in {i for p in ids(train) for i in p}  # a stale length is caught when the sample is processed
+    assert train.stats(log=False)["skipped_while_processing"] == {"length_mismatch": 1}
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_messages_jsonl_with_mixed_part_keys(tmp_path, streaming):
+    """datasets types content parts with differing keys as `Json`; raw Arrow reads give JSON strings to decode."""
+    from datasets import load_dataset
+
+    image(84, 56).save(tmp_path / "a.png")
+    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": "A box."}]}], "images": ["a.png"]}
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(row) for _ in range(3)))
+    ds = load_dataset("json", data_files=str(tmp_path / "d.jsonl"), split="train", streaming=streaming)
+    packs = list(pack_dataset(ds, load_processor("qwen2_5_vl"), max_length=512, image_root=tmp_path,
+                              on_error="raise", disable_progress=True))
+    assert [len(p) for p in packs] == [3]
+    assert all(int((s["input_ids"] == 151655).sum()) == 0 for p in packs for s in p)  # tiny vocab ids only
+    assert all(s["image_grid_thw"].shape == (1, 3) for p in packs for s in p)

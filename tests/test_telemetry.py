@@ -1,0 +1,152 @@
+"""PackingTelemetry: exact counts from the model's own call kwargs, the FLOP formula, and a real Trainer run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import load_processor
+
+from hf_packing.collator import VisionCollator
+from hf_packing.telemetry import ModelFlops, PackingTelemetry, add_telemetry, default_peak_tflops
+from hf_packing.tiny import TOKEN_IDS, build_tiny_model
+
+VS, VE, IMG = TOKEN_IDS["<|vision_start|>"], TOKEN_IDS["<|vision_end|>"], TOKEN_IDS["<|image_pad|>"]
+
+
+def _samples() -> list[list[dict]]:
+    """Two packs: [a(5), b(9, one 4x4-patch image -> 4 placeholders)], [c(2)]."""
+    a = {"input_ids": torch.tensor([1, 2, 3, 4, 5])}
+    b = {"input_ids": torch.tensor([VS, IMG, IMG, IMG, IMG, VE, 7, 8, 9]), "image_grid_thw": torch.tensor([[1, 4, 4]]),
+         "pixel_values": torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0))}  # fmt: skip
+    c = {"input_ids": torch.tensor([10, 11])}
+    return [[a, b], [c]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model("qwen2_5_vl").train()
+
+
+@pytest.mark.parametrize("mode, slots", [("rows", 3 * 9), ("flat", 16)])
+def test_exact_counts_through_a_tiny_model_forward(model, mode, slots):
+    collator = VisionCollator(load_processor("qwen2_5_vl"), mode=mode, model_config=model.config)
+    batch = collator(_samples())
+    telemetry = PackingTelemetry(max_length=16)
+    telemetry.attach(model)
+    try:
+        model(**batch)
+        counts = telemetry.counts()
+        model.eval()
+        model(**batch)  # evaluation forwards are not counted
+        assert telemetry.counts()["forwards"] == 1
+    finally:
+        model.train()
+        telemetry.detach()
+    assert not model._forward_pre_hooks
+    expected = {"real_tokens": 16, "slots": slots, "sum_sq_lens": 5**2 + 9**2 + 2**2, "images": 1, "videos": 0,
+                "vision_patches": 16, "forwards": 1}  # fmt: skip
+    assert {k: counts[k] for k in expected} == expected
+
+
+def test_counts_any_collator_and_boundary_kwargs():
+    """A dummy module taking **kwargs: flat rows with cu_seqlens, rows with a mask, rows with neither."""
+
+    class Dummy(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return None
+
+    module, telemetry = Dummy(), PackingTelemetry()
+    telemetry.attach(module)
+    module(input_ids=torch.zeros(1, 10, dtype=torch.long), cu_seqlens=torch.tensor([0, 3, 10], dtype=torch.int32),
+           video_grid_thw=torch.tensor([[2, 4, 6]]))  # fmt: skip
+    module(input_ids=torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
+    module(torch.zeros(2, 3, dtype=torch.long))  # positional input_ids, no boundaries: each row one document
+    counts = telemetry.counts()
+    telemetry.detach()
+    assert counts["real_tokens"] == 10 + 5 + 6
+    assert counts["slots"] == 10 + 8 + 6
+    assert counts["sum_sq_lens"] == (9 + 49) + (9 + 4) + 2 * 9
+    assert (counts["videos"], counts["images"], counts["vision_patches"], counts["forwards"]) == (1, 0, 48, 3)
+
+
+def test_flop_formula_on_literal_numbers():
+    flops = ModelFlops(n_text=1e9, n_vision=1e8, n_layers=10, attn_dim=1000)
+    # documents of 300 and 700 tokens, 400 vision patches
+    expected = 6 * 1e9 * 1000 + 6 * 10 * 1000 * (300**2 + 700**2) + 6 * 1e8 * 400
+    assert flops.flops(real_tokens=1000, sum_sq_lens=300**2 + 700**2, vision_patches=400) == pytest.approx(expected)
+    assert expected == pytest.approx(6.2748e12)
+    frozen = ModelFlops(n_text=1e9, n_vision=1e8, n_layers=10, attn_dim=1000, vision_trainable=False)
+    assert frozen.flops(real_tokens=0, sum_sq_lens=0, vision_patches=400) == pytest.approx(2 * 1e8 * 400)
+
+
+def test_parameter_counts_from_the_model(model):
+    counts = ModelFlops.from_model(model)
+    params = dict(model.named_parameters())
+    text = sum(p.numel() for n, p in params.items() if "visual" not in n and "embed_tokens" not in n)
+    merger = sum(p.numel() for n, p in params.items() if "visual.merger" in n)
+    vision = sum(p.numel() for n, p in params.items() if "visual" in n) - merger + merger / 4
+    assert (counts.n_text, counts.n_vision, counts.n_layers, counts.attn_dim) == (text, vision, 2, 64)
+    assert counts.vision_trainable
+
+
+def test_moe_counts_only_active_experts():
+    moe = build_tiny_model("qwen3_vl_moe")
+    params = dict(moe.named_parameters())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    dense = sum(p.numel() for n, p in params.items() if "visual" not in n and "embed_tokens" not in n) - experts
+    assert ModelFlops.from_model(moe).n_text == dense + experts * 2 / 4  # top-2 of 4 experts
+
+
+def test_peak_from_device_name(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, peak in [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+                       ("NVIDIA H100 PCIe", 756.0), ("NVIDIA GeForce RTX 4090", None)]:  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
+        assert default_peak_tflops() == peak
+
+
+class _Packs(torch.utils.data.Dataset):
+    def __init__(self, packs):
+        self.packs = packs
+
+    def __len__(self):
+        return len(self.packs)
+
+    def __getitem__(self, i):
+        return self.packs[i]
+
+    def stats(self, log=True):
+        return {"dropped": {"overlong": 3}, "skipped": 1}
+
+
+def test_trainer_logs_keys_before_reporters(tmp_path):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    seen = []
+
+    class Reporter(TrainerCallback):  # stands in for WandB/TensorBoard: a callback after the defaults
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs))
+
+    packs = [_samples()[0], _samples()[1]]  # one pack per optimizer step: 14 tokens in 2 rows, then 2 in 1 row
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, max_steps=2, logging_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, remove_unused_columns=False,
+                             dataloader_num_workers=0, disable_tqdm=True)  # fmt: skip
+    tiny = build_tiny_model("qwen2_5_vl")
+    collator = VisionCollator(load_processor("qwen2_5_vl"), model_config=tiny.config)
+    trainer = Trainer(model=tiny, args=args, train_dataset=_Packs(packs), data_collator=collator, callbacks=[Reporter()])
+    telemetry = add_telemetry(trainer, max_length=16, peak_tflops=1.0)
+    assert trainer.callback_handler.callbacks[0] is telemetry and telemetry.dataset is trainer.train_dataset
+    trainer.train()
+
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and [s for s in seen if "loss" in s] == [{k: v for k, v in h.items() if k != "step"} for h in logs]
+    first, second = logs
+    assert first["packing/pack_fill"] == pytest.approx(14 / 16) and second["packing/pack_fill"] == pytest.approx(2 / 16)
+    assert first["packing/padding_ratio"] == pytest.approx(1 - 14 / 18) and second["packing/padding_ratio"] == 0.0
+    assert (first["packing/images_per_step"], first["packing/vision_patches_per_step"]) == (1.0, 16.0)
+    assert (second["packing/images_per_step"], second["packing/videos_per_step"]) == (0.0, 0.0)
+    assert first["packing/dropped_samples"] == 3 + 1  # stats(): dropped + skipped, every reason
+    for log in logs:
+        assert log["packing/tokens_per_s"] > 0 and 0 < log["packing/mfu"] == log["packing/tflops_per_s_per_device"]
+    assert telemetry._handle is None and not tiny._forward_pre_hooks
