@@ -19,6 +19,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/hf-packing demo --output-dir demo_out
 
 bench: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/bench_packing.py
 	$(PY) benchmarks/bench_step_cpu.py
 

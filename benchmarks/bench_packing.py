@@ -35,6 +35,7 @@ Run: ``python benchmarks/bench_packing.py`` (about 5 minutes; ``--quick`` for a 
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import math
 import os
@@ -207,12 +208,17 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
             n = len(lengths)
             results: dict[str, Any] = {}
 
+            # Each arm keeps only its fill and pack count (computed outside the timed region) and collects garbage
+            # before it starts: otherwise the packs of the other arms inflate the heap and a full GC pass lands in
+            # whichever arm happens to trigger it (seen as a 50x slower next_fit on one mix).
             def planner_arm(strategy: str, buf: int | None) -> Callable[[], float]:
                 def run() -> float:
+                    gc.collect()
                     t0 = time.perf_counter()
                     packs = plan_packs(lengths, max_length=ml, strategy=strategy, buffer_size=buf)
                     dt = time.perf_counter() - t0
-                    results[(strategy, buf)] = packs
+                    stats = pack_stats(packs, lengths, ml)
+                    results[(strategy, buf)] = (stats["fill"], stats["num_packs"])
                     return dt
                 return run
 
@@ -220,6 +226,7 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
             for strategy in STRATEGIES:
                 for buf in (buffer, None):
                     arms[f"{strategy}|{buf}"] = planner_arm(strategy, buf)
+            dataset = None
             if trl_pack is not None:
                 dataset = _trl_dataset(lengths)
 
@@ -227,10 +234,11 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
                     kwargs = {} if batch_size == 1000 else {"map_kwargs": {"batch_size": batch_size}}
 
                     def run() -> float:
+                        gc.collect()
                         t0 = time.perf_counter()
                         packed = trl_pack(dataset, ml, strategy="bfd", **kwargs)
                         dt = time.perf_counter() - t0
-                        results[("trl", batch_size)] = packed
+                        results[("trl", batch_size)] = _trl_fill(packed, ml)
                         return dt
                     return run
 
@@ -249,13 +257,11 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
                 buf_label = "whole dataset" if buf == "None" else f"buffer {buf}"
                 med = C.median(ts)
                 if kind == "trl":
-                    fill, num_packs = _trl_fill(results[("trl", None if buf == "None" else int(buf))], ml)
+                    fill, num_packs = results[("trl", None if buf == "None" else int(buf))]
                     label = "TRL pack_dataset bfd" + (" (map batch 1000, default)" if buf != "None" else " (batch_size=None)")
                     buf_label = "map batch 1000" if buf != "None" else "whole dataset"
                 else:
-                    packs = results[(kind, None if buf == "None" else int(buf))]
-                    stats = pack_stats(packs, lengths, ml)
-                    fill, num_packs = stats["fill"], stats["num_packs"]
+                    fill, num_packs = results[(kind, None if buf == "None" else int(buf))]
                     label = f"plan_packs {kind}"
                 rate = n / med
                 rows.append([mix_name, str(ml), label, buf_label, f"{fill:.5f}", str(num_packs),
@@ -264,6 +270,7 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
                     checks["fill"].append((mix_name, ml, fill))
                 if kind != "trl":
                     checks["speed"].append((mix_name, ml, kind, buf_label, rate))
+            del dataset, results
             dropped = int((~keep).sum())
             rows.append([mix_name, str(ml), f"(dropped before planning: {dropped} of {len(all_lengths)} samples > {ml})",
                          "", "", "", "", ""])
@@ -273,18 +280,22 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
 
 
 def buffer_sweep(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[int],
-                 buffers: tuple[int, ...] = (250, 500, 1000, 2000, 4000)) -> str:
-    """Streaming BFD fill against the window size (one run each; fill is deterministic)."""
+                 buffers: tuple[int, ...] = (250, 500, 1000, 2000, 4000)) -> tuple[str, dict[tuple[str, int], int | None]]:
+    """Streaming BFD fill against the window size (one run each; fill is deterministic).
+
+    Returns the table and, per (mix, max_length), the smallest swept buffer reaching `TARGET_FILL` (None: none does).
+    """
     from hf_packing.planner import pack_stats, plan_packs
 
-    rows = []
+    rows, smallest = [], {}
     for mix_name, mix in mixes.items():
         for ml in max_lengths:
             lengths = mix["lengths"][mix["lengths"] <= ml]
             fills = [pack_stats(plan_packs(lengths, max_length=ml, strategy="bfd", buffer_size=b), lengths, ml)["fill"]
                      for b in (*buffers, None)]
             rows.append([mix_name, str(ml)] + [f"{f:.5f}" for f in fills])
-    return C.md_table(["mix", "max_length", *(f"buffer {b}" for b in buffers), "whole dataset"], rows)
+            smallest[(mix_name, ml)] = next((b for b, f in zip(buffers, fills) if f >= TARGET_FILL), None)
+    return C.md_table(["mix", "max_length", *(f"buffer {b}" for b in buffers), "whole dataset"], rows), smallest
 
 
 # ------------------------------------------------------------------------------------------------ collator latency
@@ -624,7 +635,7 @@ def main(argv: list[str] | None = None) -> None:
     mixes = {"llava": llava_mix(args.n_llava), "docs": docs_mix(args.n_docs)}
     planner_table, checks = planner_section(mixes, args.max_lengths, warmup=args.warmup, repeats=args.repeats,
                                             buffer=args.buffer_size, skip_trl=args.skip_trl)
-    sweep_table = buffer_sweep(mixes, args.max_lengths)
+    sweep_table, smallest_buffer = buffer_sweep(mixes, args.max_lengths)
     collator_table, collator_ms, collator_tuned = ("(skipped)", {}, {}) if args.skip_collator else collator_tables(args.collator_calls)
     e2e_body, _ = ("(skipped)", None) if args.skip_e2e else e2e_section(args.e2e_samples)
 
@@ -635,7 +646,9 @@ def main(argv: list[str] | None = None) -> None:
     unreachable = "".join(
         f" {m}@{ml} misses it, but no packer can reach it there: the L2 bound caps fill at {bounds[(m, ml)]:.4f}, and "
         f"streaming BFD gets {f / bounds[(m, ml)]:.1%} of that bound." if bounds.get((m, ml), 1) < TARGET_FILL else
-        f" {m}@{ml} misses it with the bound at {bounds.get((m, ml), float('nan')):.4f}."
+        f" {m}@{ml} misses it with the bound at {bounds.get((m, ml), float('nan')):.4f}"
+        + (f"; a window of {smallest_buffer[(m, ml)]} samples reaches it (sweep below)." if smallest_buffer.get((m, ml))
+           else "; no swept window reaches it (sweep below).")
         for m, ml, f in misses)
     stream_bfd = [(m, ml, r) for m, ml, k, b, r in checks["speed"] if k == "bfd" and b != "whole dataset"]
     speed_ok = all(r >= TARGET_ITEMS_PER_S for *_, r in stream_bfd)
