@@ -270,9 +270,13 @@ class Preprocessor:
         pos, out_len = 0, 0
         for ref in videos:
             frames, height, width = self.images.video_shape(ref)
-            n = self.processor.video_processor.get_num_of_video_patches(frames, height, width, {})
-            grid_t = -(-frames // self.processor.video_processor.temporal_patch_size)
-            fake = {"video_grid_thw": torch.tensor([[grid_t, n // grid_t, 1]]), "video_metadata": [VideoMetadata(
+            # Patches of one temporal patch, times grid_t rounded up as the processor pads frames; the helper's own
+            # frame count floors on transformers 5.17 while its processing rounds up.
+            tps = self.processor.video_processor.temporal_patch_size
+            per_t = self.processor.video_processor.get_num_of_video_patches(tps, height, width, {})
+            grid_t = -(-frames // tps)
+            n = per_t * grid_t
+            fake = {"video_grid_thw": torch.tensor([[grid_t, per_t, 1]]), "video_metadata": [VideoMetadata(
                 total_num_frames=frames, width=width, height=height, frames_indices=list(range(frames)))]}
             repl = self.processor.replace_video_token(fake, 0)
             runs += [len(r) // len(self.video_token) for r in re.findall(f"(?:{re.escape(self.video_token)})+", repl)]

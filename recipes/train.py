@@ -76,6 +76,11 @@ class PackingArguments:
 PARSER_TYPES = (ModelArguments, DataArguments, PackingArguments, TrainingArguments)
 
 
+#: TrainingArguments fields renamed inside the supported transformers range (new name -> old name).
+_RENAMED = {"activation_checkpointing": "gradient_checkpointing",
+            "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, PackingArguments, TrainingArguments]:
     """``[config.yaml] [--flag value ...]``: the YAML sets defaults, flags after it override them."""
     import yaml
@@ -84,7 +89,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     parser = HfArgumentParser(PARSER_TYPES)
     if argv and argv[0].endswith((".yaml", ".yml")):
         config = yaml.safe_load(Path(argv.pop(0)).read_text()) or {}
-        unknown = sorted(set(config) - {action.dest for action in parser._actions})
+        known = {action.dest for action in parser._actions}
+        for new, old in _RENAMED.items():  # transformers 5.17 has only the old names, 5.23 prefers the new
+            for a, b in ((new, old), (old, new)):
+                if a in config and a not in known and b in known:
+                    config[b] = config.pop(a)
+        unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"unknown keys in the config file: {unknown}")
         parser.set_defaults(**config)

@@ -43,3 +43,24 @@ def test_no_supervised_tokens_keeps_graph():
 def test_reduction():
     assert reduce_loss(torch.tensor(12.0), 4, None).item() == 3.0
     assert reduce_loss(torch.tensor(12.0), 4, torch.tensor(6)).item() == 2.0
+
+
+def test_liger_wiring_with_stand_in(monkeypatch):
+    """When liger-kernel is installed the fused kernel gets (hidden, weight, targets) of supervised rows, sum reduction."""
+    from hf_packing import _compat
+
+    calls = []
+
+    def liger(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean"):
+        calls.append((hidden.shape, reduction, ignore_index, bool((target != -100).all())))
+        return F.cross_entropy(hidden @ weight.T, target, reduction=reduction, ignore_index=ignore_index)
+
+    monkeypatch.setattr(_compat, "liger_fused_linear_cross_entropy", lambda: liger)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 20, bias=False)
+    hidden = torch.randn(9, 8)
+    targets = torch.tensor([3, -100, 5, 7, -100, 1, 2, -100, 4])
+    total, n = linear_cross_entropy_sum(hidden, head, targets, use_liger=True)
+    ref, _ = linear_cross_entropy_sum(hidden, head, targets, use_liger=False)
+    assert calls == [(torch.Size([6, 8]), "sum", -100, True)] and n == 6
+    torch.testing.assert_close(total, ref)

@@ -74,24 +74,22 @@ def rope_position_ids(model, spec: FamilySpec, input_ids, attention_mask, mm_tok
     return position_ids
 
 
-def _boundaries(input_ids, attention_mask, cu_seqlens, config) -> tuple[torch.Tensor, PackedSequences]:
+def _boundaries(input_ids, attention_mask, cu_seqlens) -> tuple[torch.Tensor, PackedSequences]:
     """Validate the batch and return the flat indices of real tokens and their `PackedSequences` (one host sync)."""
-    batch, length = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-    if cu_seqlens is not None:
-        seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-        real = int(attention_mask.sum())
-        if sum(seqlens) != real:
-            raise ValueError(
-                f"cu_seqlens covers {sum(seqlens)} tokens but attention_mask has {real} real tokens. Under the HF "
-                "Trainer this means accelerate sliced the batch (dispatch_batches): call "
-                "hf_packing.prepare_trainer(trainer), or set accelerator_config={'dispatch_batches': False}"
-            )
-    else:
-        seqlens = validate_attention_mask(attention_mask)
     indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
-    return indices, PackedSequences.from_seqlens(seqlens, device=input_ids.device)
+    if cu_seqlens is None:
+        return indices, PackedSequences.from_seqlens(validate_attention_mask(attention_mask), device=input_ids.device)
+    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    if sum(seqlens) != indices.numel():
+        raise ValueError(
+            f"cu_seqlens covers {sum(seqlens)} tokens but attention_mask has {indices.numel()} real tokens. Under the "
+            "HF Trainer this means accelerate sliced the batch (dispatch_batches): call "
+            "hf_packing.prepare_trainer(trainer), or set accelerator_config={'dispatch_batches': False}"
+        )
+    cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
+    return indices, PackedSequences(cu_seqlens=cu, max_seqlen=max(seqlens, default=0), seqlens=seqlens)
 
 
 def _dummy_vision_loss(model) -> torch.Tensor:
@@ -103,8 +101,7 @@ def _dummy_vision_loss(model) -> torch.Tensor:
     pixels = torch.zeros(merge * merge, patch_dim, device=device, dtype=model.model.visual.dtype)
     grid = torch.tensor([[1, merge, merge]], device=device)
     out = model.model.get_image_features(pixels, grid, return_dict=True)
-    tensors = [t for t in _iter_tensors(out.to_tuple())]
-    return sum(t.float().sum() for t in tensors) * 0.0
+    return sum(t.float().sum() for t in _iter_tensors(out.to_tuple())) * 0.0
 
 
 def _iter_tensors(obj):
@@ -134,7 +131,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: dict[str, 
         mm_token_type_ids: torch.IntTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         cu_seqlens: torch.Tensor | None = None,
-        max_seqlen: int | None = None,
+        max_seqlen: int | None = None,  # taken here so it never reaches the vision tower, which reads its own
         num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ):
@@ -163,7 +160,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: dict[str, 
         extra = {k: kwargs.pop(k, None) for k in spec.rope_kwargs}
         batch, length = input_ids.shape
 
-        indices, seqs = _boundaries(input_ids, attention_mask, cu_seqlens, self.config)
+        indices, seqs = _boundaries(input_ids, attention_mask, cu_seqlens)
         flat_ids = input_ids.flatten().index_select(0, indices).unsqueeze(0)
         if image_grid_thw is not None or video_grid_thw is not None:
             check_placeholders(self.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
@@ -185,12 +182,17 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: dict[str, 
         model_kwargs = dict(kwargs)
         if spec.moe:
             router = model_kwargs.pop("output_router_logits", None)
-            model_kwargs["output_router_logits"] = (
-                self.config.text_config.output_router_logits if router is None else router
-            )
+            default = getattr(self.config.text_config, "output_router_logits", False)  # absent before 5.23
+            model_kwargs["output_router_logits"] = default if router is None else router
         for key, value in extra.items():
             if value is not None:
                 model_kwargs[key] = value
+        # The dummy image runs where real pixels would, before the decoder layers: FSDP / ZeRO-3 gather (and in
+        # backward reduce) module by module in execution order, so every rank must run the tower at the same point.
+        dummy = None
+        if (options.get("dummy_vision") and self.training and pixel_values is None and pixel_values_videos is None
+                and (labels is not None or shift_labels is not None)):
+            dummy = _dummy_vision_loss(self)
         outputs = self.model(
             input_ids=flat_ids, attention_mask=None, position_ids=flat_pos, pixel_values=pixel_values,
             pixel_values_videos=pixel_values_videos, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
@@ -208,8 +210,8 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: dict[str, 
                 hidden, self.lm_head, targets, chunk_size=options.get("loss_chunk_size"), use_liger=options.get("use_liger")
             )
             loss = reduce_loss(loss_sum, n_supervised, num_items_in_batch)
-            if options.get("dummy_vision") and self.training and pixel_values is None and pixel_values_videos is None:
-                loss = loss + _dummy_vision_loss(self)
+            if dummy is not None:
+                loss = loss + dummy
         else:
             logits = pad_input(self.lm_head(hidden), indices, batch, length)
             if isinstance(logits_to_keep, int) and logits_to_keep > 0:
