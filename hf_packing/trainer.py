@@ -10,11 +10,18 @@ keeps every ``world_size``-th batch of the stream. `pack_dataset` already hands 
   rank-equal share, so that wrapper would silently train each rank on 1/world_size of its packs
   (measured: 2 of 4 packs on rank 1 of 2). `keep_rank_packs` makes it a pass-through for packed datasets.
 
-`prepare_trainer` does both and puts the packing telemetry in front of the reporting callbacks.
+It also repairs resuming: transformers 5.23's ``Trainer._load_from_checkpoint`` loads ``model.safetensors``
+non-strictly and without key conversion, while ``save_pretrained`` writes Qwen-VL checkpoints in the
+original key layout (``model.layers.*``, ``visual.*``); only ``lm_head`` matches, so a resumed run silently
+keeps its initial weights (huggingface/transformers#43701). `reload_checkpoints_with_key_conversion` loads the
+checkpoint again through ``from_pretrained`` (the model's own conversion) and copies it in strictly.
+
+`prepare_trainer` does all three and puts the packing telemetry in front of the reporting callbacks.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -37,6 +44,37 @@ def keep_rank_packs(trainer: Any) -> Any:
     return trainer
 
 
+def reload_checkpoints_with_key_conversion(trainer: Any) -> Any:
+    """After the Trainer's own checkpoint load, load full Qwen-VL weights again with key conversion, strictly.
+
+    Only for a plain (non-PEFT) model of a supported family and a checkpoint holding full ``model.safetensors``
+    weights; sharded FSDP / DeepSpeed checkpoints and adapters keep the Trainer's own path. Costs one extra
+    copy of the model in host memory, once, at resume. Returns ``trainer``.
+    """
+    original = trainer._load_from_checkpoint
+
+    def _load_from_checkpoint(resume_from_checkpoint: str, model: Any = None) -> None:
+        original(resume_from_checkpoint, model=model)
+        target = model if model is not None else trainer.model
+        target = getattr(target, "module", target)
+        _reload_full_weights(target, Path(resume_from_checkpoint))
+
+    trainer._load_from_checkpoint = _load_from_checkpoint
+    return trainer
+
+
+def _reload_full_weights(model: Any, checkpoint: Path) -> None:
+    from transformers import PreTrainedModel
+
+    from .patches import supported_model_types
+
+    has_full_weights = (checkpoint / "model.safetensors").exists() or (checkpoint / "model.safetensors.index.json").exists()
+    if not (isinstance(model, PreTrainedModel) and model.config.model_type in supported_model_types() and has_full_weights):
+        return
+    loaded = type(model).from_pretrained(checkpoint, dtype=model.dtype, attn_implementation="sdpa")
+    model.load_state_dict(loaded.state_dict(), strict=True)
+
+
 def no_dispatch(trainer: Any) -> Any:
     """Stop accelerate from dispatching/splitting batches (see the module docstring). Returns ``trainer``."""
     config = trainer.accelerator.dataloader_config
@@ -45,9 +83,10 @@ def no_dispatch(trainer: Any) -> Any:
 
 
 def prepare_trainer(trainer: Any, *, telemetry: bool = True, **telemetry_kwargs: Any) -> Any:
-    """`keep_rank_packs`, `no_dispatch` and, unless ``telemetry=False``, `hf_packing.telemetry.add_telemetry`. Returns ``trainer``."""
+    """`keep_rank_packs`, `no_dispatch`, `reload_checkpoints_with_key_conversion` and, unless ``telemetry=False``, `hf_packing.telemetry.add_telemetry`. Returns ``trainer``."""
     keep_rank_packs(trainer)
     no_dispatch(trainer)
+    reload_checkpoints_with_key_conversion(trainer)
     if telemetry:
         from .telemetry import add_telemetry
 

@@ -16,18 +16,20 @@ CONFIG.json (written by the test):
 
 rank{r}.json: `global_step`; `collated` (per collator call: the samples' `index` and a hash of the batch);
 `trained` (per training micro-batch, as `compute_loss` sees it: the step, the batch hash, the loss, whether it
-had pixels); `stats` (`packs.stats()`); `count` (the per-rank pack count when counted); `fast_forward`.
+had pixels); `stats` (`packs.stats()`); `count` (the per-rank pack count when counted); `fsdp_version` and the
+parameters' type (`DTensor` once FSDP2 sharded them).
 
 `stateful`: transformers 5.23's Trainer neither saves nor restores a dataloader state (on resume it skips the
-first N batches by re-iterating). Here a callback saves the prepared loader's `state_dict()` into each checkpoint
-(one file per rank), the resumed run loads it into the new loader and sets `ignore_data_skip`, and accelerate's
-`IterableDatasetShard` (a pass-through once `prepare_trainer` ran) forwards `state_dict` / `load_state_dict` to the
-`PackedDataset`, so torchdata restores the packer's own state instead of replaying the skipped packs.
+first N batches by re-iterating), and its AcceleratorConfig refuses `use_stateful_dataloader`, so that is set on
+accelerate's DataLoaderConfiguration after the Trainer is built. A callback saves the prepared loader's
+`state_dict()` into each checkpoint (one file per rank); the resumed run loads it into its new loader and sets
+`ignore_data_skip`; accelerate's `IterableDatasetShard` (a pass-through once `prepare_trainer` ran) forwards
+`state_dict` / `load_state_dict` to the `PackedDataset`, so torchdata restores the packer's own state instead of
+replaying the skipped packs.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
@@ -73,8 +75,6 @@ def main() -> None:
     out = Path(config["out"])
     out.mkdir(parents=True, exist_ok=True)
     accelerator_config: dict[str, Any] = {"dispatch_batches": False, "split_batches": False}
-    if config.get("stateful"):
-        accelerator_config["use_stateful_dataloader"] = True
     fsdp = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": CLASSES,
                                           "reshard_after_forward": True}} if config.get("fsdp") else {}
     args = TrainingArguments(
@@ -101,7 +101,8 @@ def main() -> None:
     args.max_steps = count if count is not None else config["max_steps"]
 
     hf_packing.apply_rmpad("qwen2_5_vl", dummy_vision=bool(config.get("dummy_vision")))
-    model = AutoModelForImageTextToText.from_pretrained(config["model"], dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForImageTextToText.from_pretrained(config["model"], dtype=torch.float32,
+                                                        attn_implementation="sdpa")
     model.config.use_cache = False
     collator = RecordingCollator(VisionCollator(processor, model_config=model.config))
     trained: list[dict[str, Any]] = []
@@ -129,6 +130,7 @@ def main() -> None:
     prepare_trainer(trainer, max_length=config["max_length"])
     if config.get("stateful"):
         use_stateful_packs(trainer, config.get("resume"), rank)
+        assert trainer.accelerator.use_stateful_dataloader
     trainer.train(resume_from_checkpoint=config.get("resume"))
     torch.distributed.barrier()
     result = {"rank": rank, "global_step": trainer.state.global_step, "count": count, "max_steps": args.max_steps,
@@ -157,6 +159,9 @@ def use_stateful_packs(trainer: Any, resume: str | None, rank: int) -> None:
     load the loader state a checkpoint holds (see the module docstring)."""
     from accelerate.data_loader import IterableDatasetShard
 
+    # transformers 5.23's AcceleratorConfig has no `use_stateful_dataloader` (TypeError): set it on accelerate's own
+    # DataLoaderConfiguration, as prepare_trainer does for dispatch_batches.
+    trainer.accelerator.dataloader_config.use_stateful_dataloader = True
     get_loader = trainer.get_train_dataloader
 
     def get_train_dataloader(*a, **kw):

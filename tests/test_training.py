@@ -24,24 +24,29 @@ HELPER = Path(__file__).parent / "multiproc_train.py"
 ROOT = Path(__file__).parents[1]
 SHARDS = (5, 17, 44)  # deliberately uneven parquet files
 MAX_LENGTH = 256
+BAD = {11: "corrupt_image", 30: "overlong"}  # skipped by the packer, counted in stats()
 
 
-def write_parquet(path: Path, n: int, *, seed: int, start: int, images: str) -> None:
-    """`n` LLaVA rows; `images`: "none" (text-only), "all" (1-2 PNGs each) or "mixed" (~half text-only)."""
+def write_parquet(path: Path, n: int, *, seed: int, start: int, images: str, bad: dict[int, str] | None = None) -> None:
+    """`n` LLaVA rows numbered from `start`; `images`: "none" (text-only), "all" (1-2 PNGs each) or "mixed" (half
+    text-only); `bad`: {row: "corrupt_image" | "overlong"}, rows the packer must skip."""
     from datasets import Dataset, Features, Image, List, Value
 
-    rng = np.random.default_rng(seed)
-    features = Features({"image": List(Image()), "conversations": List({"from": Value("string"), "value": Value("string")})})
+    bad, rng = bad or {}, np.random.default_rng(seed)
+    turn = {"from": Value("string"), "value": Value("string")}
+    features = Features({"image": List(Image()), "conversations": List(turn)})
     rows = []
     for i in range(start, start + n):
         k = 0 if images == "none" else int(rng.integers(1, 3)) if images == "all" else int(rng.choice([0, 0, 1, 2]))
+        k = max(k, bad.get(i) == "corrupt_image")
         pngs = []
         for j in range(k):
             buf = io.BytesIO()
             image(int(rng.integers(28, 120)), int(rng.integers(28, 120)), seed * 1000 + i * 10 + j).save(buf, "PNG")
-            pngs.append({"bytes": buf.getvalue(), "path": None})
+            data = buf.getvalue()
+            pngs.append({"bytes": data[: len(data) // 2] if bad.get(i) == "corrupt_image" else data, "path": None})
         question = "<image>\n" * k + f"Row {i}: describe " + "this " * int(rng.integers(0, 12))
-        answer = "word " * int(rng.integers(2, 60))
+        answer = "word " * (400 if bad.get(i) == "overlong" else int(rng.integers(2, 60)))
         rows.append({"image": pngs, "conversations": [{"from": "human", "value": question},
                                                       {"from": "gpt", "value": answer}]})
     Dataset.from_list(rows, features=features).to_parquet(str(path))
@@ -59,7 +64,7 @@ def uneven_data(tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("uneven")
     files, start = [], 0
     for shard, n in enumerate(SHARDS):
-        write_parquet(root / f"shard-{shard}.parquet", n, seed=shard, start=start, images="mixed")
+        write_parquet(root / f"shard-{shard}.parquet", n, seed=shard, start=start, images="mixed", bad=BAD)
         files.append(str(root / f"shard-{shard}.parquet"))
         start += n
     return files
@@ -90,8 +95,170 @@ def launch(work: Path, timeout: float, **config) -> tuple[subprocess.CompletedPr
     return proc, results, seconds
 
 
+def failure(proc) -> str:
+    """The first rank's traceback (torchrun's own summary hides it at the end of stderr)."""
+    start = proc.stderr.find("Traceback")
+    return proc.stdout[-2000:] + proc.stderr[max(start, 0):][:6000] + "\n...\n" + proc.stderr[-1500:]
+
+
 def check_ok(proc, results, seconds, label: str) -> None:
     print(f"{label}: {seconds:.1f} s")
     assert proc is not None, f"{label}: torchrun hung past its timeout"
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    assert proc.returncode == 0, failure(proc)
     assert [r["rank"] for r in results] == [0, 1]
+
+
+# ------------------------------------------------------------------------------------------ 1. DDP, uneven shards
+K = 7  # checkpoint step the resume tests restart from
+
+
+@pytest.fixture(scope="module")
+def uneven_run(tmp_path_factory, tiny_model, uneven_data):
+    """The default path: DDP on gloo, max_steps = count_packs(), a checkpoint every K steps."""
+    work = tmp_path_factory.mktemp("ddp")
+    proc, results, seconds = launch(work, 240, model=str(tiny_model), data=uneven_data, max_steps=None, save_steps=K)
+    check_ok(proc, results, seconds, "DDP run, uneven shards")
+    return {"work": work, "results": results}
+
+
+def test_ddp_ranks_take_equal_steps_on_disjoint_samples(uneven_run):
+    """2 processes, 3 parquet files of 5/17/44 rows (PNG bytes or text-only, one corrupt image, one overlong row):
+    both ranks exit 0 after the same number of optimizer steps, each pack trained once, samples disjoint, and
+    trained + skipped + left over == rows read."""
+    r0, r1 = uneven_run["results"]
+    n = r0["count"]
+    assert n == r1["count"] and n >= 2 * K  # count_packs(): the same per-rank pack count on both ranks
+    assert r0["global_step"] == r1["global_step"] == r0["max_steps"] == n  # the epoch ended exactly at max_steps
+    for r in (r0, r1):
+        assert len(r["collated"]) == len(r["trained"]) == n  # every pack collated once and trained once
+        assert [c["hash"] for c in r["collated"]] == [t["hash"] for t in r["trained"]]
+        assert [t["step"] for t in r["trained"]] == list(range(1, n + 1))
+        assert any(t["pixels"] for t in r["trained"]) and not all(t["pixels"] for t in r["trained"])
+    seen = [[i for c in r["collated"] for i in c["indices"]] for r in (r0, r1)]
+    assert len(seen[0]) == len(set(seen[0])) and len(seen[1]) == len(set(seen[1]))
+    assert set(seen[0]).isdisjoint(seen[1])
+    s0, s1 = r0["stats"], r1["stats"]
+    assert [s0["samples"], s1["samples"]] == [len(seen[0]), len(seen[1])] and s0["packs"] == s1["packs"] == n
+    assert s0["rows_read"] == sum(SHARDS) and s0["complete"] and s1["complete"]
+    skipped = sum(s0["skipped_while_planning"].values()) + sum(
+        sum(s["skipped_while_processing"].values()) for s in (s0, s1))
+    assert set(s0["skipped"]) | set(s1["skipped"]) == {"corrupt_image", "overlong"}
+    assert not set(seen[0] + seen[1]) & set(BAD)
+    assert len(seen[0]) + len(seen[1]) + s0["leftover_samples"] + skipped == sum(SHARDS)
+    print(f"per rank: {n} steps; samples {len(seen[0])} + {len(seen[1])}, left over {s0['leftover_samples']} "
+          f"({s0['leftover_packs']} packs), skipped {s0['skipped']} / {s1['skipped']}")
+
+
+# ------------------------------------------------------------------------------------------ 2. FSDP2, text-only rank
+@pytest.fixture(scope="module")
+def split_data(tmp_path_factory) -> dict[str, list[str]]:
+    """Rank 0 packs only text-only rows, rank 1 only rows with images: every micro-batch of rank 0 is text-only."""
+    root = tmp_path_factory.mktemp("split")
+    write_parquet(root / "text.parquet", 12, seed=5, start=0, images="none")
+    write_parquet(root / "images.parquet", 12, seed=6, start=100, images="all")
+    return {"0": [str(root / "text.parquet")], "1": [str(root / "images.parquet")]}
+
+
+def test_fsdp2_with_a_text_only_rank_completes_with_dummy_vision(tiny_model, split_data, tmp_path):
+    """FSDP2 (accelerate's plugin, fsdp_version 2: `fully_shard` per decoder layer and vision block) on gloo, 3 steps,
+    rank 0's packs all text-only and rank 1's all with images: with `apply_rmpad(dummy_vision=True)` both ranks run
+    the vision tower at the same point of every forward, so their all-gathers / reduce-scatters pair up."""
+    proc, results, seconds = launch(tmp_path, 180, model=str(tiny_model), rank_data=split_data, max_steps=3, fsdp=True,
+                                    dummy_vision=True, pg_timeout=30)  # fmt: skip
+    check_ok(proc, results, seconds, "FSDP2, dummy_vision=True")
+    r0, r1 = results
+    assert r0["fsdp_version"] == r1["fsdp_version"] == 2 and r0["sharded"] == r1["sharded"] == "DTensor"
+    assert r0["global_step"] == r1["global_step"] == 3
+    assert [t["pixels"] for t in r0["trained"]] == [False] * 3 and [t["pixels"] for t in r1["trained"]] == [True] * 3
+    assert all(np.isfinite(t["loss"]) for r in results for t in r["trained"])
+
+
+def test_fsdp2_with_a_text_only_rank_fails_without_dummy_vision(tiny_model, split_data, tmp_path):
+    """Control: without dummy_vision rank 0 skips the vision blocks, so it all-gathers decoder layer 0 while rank 1
+    all-gathers vision block 0. Gloo sees the size mismatch and aborts within seconds (NCCL would hang until its
+    timeout); a hang would hit the process-group timeout (20 s) or this test's (120 s). Either way: no clean exit."""
+    proc, results, seconds = launch(tmp_path, 120, model=str(tiny_model), rank_data=split_data, max_steps=3, fsdp=True,
+                                    dummy_vision=False, pg_timeout=20)  # fmt: skip
+    print(f"FSDP2, dummy_vision=False: {seconds:.1f} s, {'hung' if proc is None else f'exit {proc.returncode}'}")
+    assert proc is None or proc.returncode != 0
+    if proc is not None:
+        assert "collective mismatch" in proc.stderr or "Timed out" in proc.stderr, failure(proc)
+        assert not results  # no rank finished training
+
+
+# ------------------------------------------------------------------------------------------ 3. resume
+def assert_continues(reference: list[dict], resumed: list[dict], k: int) -> None:
+    """Per rank, the micro-batches trained after resuming at step k are the reference run's steps k+1.. (same
+    pack hashes, in order) with the same losses."""
+    for ref, res in zip(reference, resumed, strict=True):
+        assert res["global_step"] == ref["global_step"]
+        after = [t for t in ref["trained"] if t["step"] > k]
+        assert [t["step"] for t in res["trained"]] == [t["step"] for t in after]
+        assert [t["hash"] for t in res["trained"]] == [t["hash"] for t in after]
+        got, want = np.array([t["loss"] for t in res["trained"]]), np.array([t["loss"] for t in after])
+        diff = np.abs(got - want).max()
+        print(f"rank {ref['rank']}: steps {k + 1}..{ref['global_step']}, max |loss diff| {diff:.2e}")
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_resume_in_a_new_process_continues_packs_and_loss(uneven_run, tiny_model, uneven_data, tmp_path):
+    """Resume from checkpoint-K (written by the uninterrupted run) with `trainer.train(resume_from_checkpoint=...)`
+    in new processes: the Trainer fast-forwards the pack stream by re-iterating it (the K skipped packs are packed
+    and collated again, not trained), then trains exactly the packs, and the losses, of steps K+1.. of the
+    uninterrupted run."""
+    checkpoint = uneven_run["work"] / "trainer" / f"checkpoint-{K}"
+    assert (checkpoint / "trainer_state.json").exists() and (checkpoint / "rng_state_1.pth").exists()
+    proc, resumed, seconds = launch(tmp_path, 240, model=str(tiny_model), data=uneven_data, max_steps=None,
+                                    resume=str(checkpoint))  # fmt: skip
+    check_ok(proc, resumed, seconds, "resumed run (Trainer fast-forward)")
+    reference = uneven_run["results"]
+    assert_continues(reference, resumed, K)
+    for ref, res in zip(reference, resumed):  # the fast-forward re-packs and re-collates the first K packs
+        assert [c["hash"] for c in res["collated"]] == [c["hash"] for c in ref["collated"]]
+
+
+def test_resume_through_accelerates_stateful_dataloader(uneven_run, tiny_model, uneven_data, tmp_path):
+    """accelerate's stateful dataloader (`use_stateful_dataloader`; transformers 5.23's `accelerator_config` refuses
+    the key, so the helper sets it on accelerate's DataLoaderConfiguration), each checkpoint also holding the loader's
+    state, whose dataset state is `PackedDataset.state_dict()`: the resumed run restores the packer's state instead
+    of replaying, so it packs and collates only the packs it trains, and they and their losses equal the
+    uninterrupted run's (which itself equals the default, non-stateful run)."""
+    common = {"model": str(tiny_model), "data": uneven_data, "max_steps": None, "stateful": True}
+    proc, full, seconds = launch(tmp_path / "full", 240, save_steps=K, **common)
+    check_ok(proc, full, seconds, "uninterrupted run, stateful dataloader")
+    for plain, stateful in zip(uneven_run["results"], full):  # the stateful loader trains exactly the same steps
+        assert [t["hash"] for t in stateful["trained"]] == [t["hash"] for t in plain["trained"]]
+        np.testing.assert_allclose([t["loss"] for t in stateful["trained"]], [t["loss"] for t in plain["trained"]],
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+    checkpoint = tmp_path / "full" / "trainer" / f"checkpoint-{K}"
+    proc, resumed, seconds = launch(tmp_path / "resumed", 240, resume=str(checkpoint), **common)
+    check_ok(proc, resumed, seconds, "resumed run (stateful dataloader)")
+    assert_continues(full, resumed, K)
+    for ref, res in zip(full, resumed):
+        n = ref["global_step"]
+        assert [c["hash"] for c in res["collated"]] == [c["hash"] for c in ref["collated"]][K:]  # nothing replayed
+        assert res["stats"]["samples"] == ref["stats"]["samples"] and res["stats"]["packs"] == n  # counters resumed
+
+
+def test_prepare_trainer_restores_every_weight_on_resume(uneven_run, tiny_model, tmp_path):
+    """transformers 5.23's `Trainer._load_from_checkpoint` loads model.safetensors with `load_state_dict(strict=False)`
+    and no key conversion, while `save_pretrained` wrote it in Qwen-VL's original key layout (`model.layers.*`,
+    `visual.*`): only lm_head matches and a resumed run silently keeps its initial weights (huggingface/transformers
+    #43701). `prepare_trainer` reloads the checkpoint with the model's own key conversion."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
+
+    from hf_packing import prepare_trainer
+
+    checkpoint = uneven_run["work"] / "trainer" / f"checkpoint-{K}"
+    trained = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+
+    plain = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
+    Trainer(model=plain, args=args)._load_from_checkpoint(str(checkpoint))
+    stale = {k for k, v in plain.state_dict().items() if not torch.equal(v, trained[k])}
+    print(f"plain Trainer resume left {len(stale)} of {len(trained)} tensors at their initial values")
+
+    fixed = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
+    prepare_trainer(Trainer(model=fixed, args=args), telemetry=False)._load_from_checkpoint(str(checkpoint))
+    assert all(torch.equal(v, trained[k]) for k, v in fixed.state_dict().items())

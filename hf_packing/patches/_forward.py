@@ -187,17 +187,28 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: dict[str, 
         for key, value in extra.items():
             if value is not None:
                 model_kwargs[key] = value
-        # The dummy image runs where real pixels would, before the decoder layers: FSDP / ZeRO-3 gather (and in
-        # backward reduce) module by module in execution order, so every rank must run the tower at the same point.
-        dummy = None
+        # The dummy image runs exactly where real pixels would: right after the token embedding, before the decoder
+        # layers. FSDP / ZeRO-3 gather parameters (and reduce gradients) module by module in execution order, so a
+        # text-only rank must reach the tower at the same point as a rank with images, or the collectives mismatch.
+        dummy: list[torch.Tensor] = []
+
+        def dummy_after_embedding(*_) -> None:
+            if not dummy:
+                dummy.append(_dummy_vision_loss(self))
+
+        hook = None
         if (options.get("dummy_vision") and self.training and pixel_values is None and pixel_values_videos is None
                 and (labels is not None or shift_labels is not None)):
-            dummy = _dummy_vision_loss(self)
-        outputs = self.model(
-            input_ids=flat_ids, attention_mask=None, position_ids=flat_pos, pixel_values=pixel_values,
-            pixel_values_videos=pixel_values_videos, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-            mm_token_type_ids=flat_types, use_cache=False, **model_kwargs, **{PACKED_KWARG: seqs},
-        )
+            hook = self.model.get_input_embeddings().register_forward_hook(dummy_after_embedding)
+        try:
+            outputs = self.model(
+                input_ids=flat_ids, attention_mask=None, position_ids=flat_pos, pixel_values=pixel_values,
+                pixel_values_videos=pixel_values_videos, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                mm_token_type_ids=flat_types, use_cache=False, **model_kwargs, **{PACKED_KWARG: seqs},
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
         hidden = outputs.last_hidden_state.squeeze(0)
 
         loss, logits = None, None
@@ -210,8 +221,8 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: dict[str, 
                 hidden, self.lm_head, targets, chunk_size=options.get("loss_chunk_size"), use_liger=options.get("use_liger")
             )
             loss = reduce_loss(loss_sum, n_supervised, num_items_in_batch)
-            if dummy is not None:
-                loss = loss + dummy
+            if dummy:
+                loss = loss + dummy[0]
         else:
             logits = pad_input(self.lm_head(hidden), indices, batch, length)
             if isinstance(logits_to_keep, int) and logits_to_keep > 0:
