@@ -26,6 +26,7 @@ def _benchmark(n: int = 1_000_000, repeats: int = 3) -> None:  # pragma: no cove
         ("ffd whole", {"strategy": "ffd"}),
         ("bfd whole", {"strategy": "bfd"}),
         ("bfd buffer=1000", {"strategy": "bfd", "buffer_size": 1000}),
+        ("bfd buffer=1000, no re-planning", {"strategy": "bfd", "buffer_size": 1000, "repack_windows": 0}),
         ("bfd buffer=1000, no carry-over", {"strategy": "bfd", "buffer_size": 1000, "max_open_bins": 0}),
         ("balanced whole", {"strategy": "balanced"}),
         ("balanced buffer=1000", {"strategy": "balanced", "buffer_size": 1000}),

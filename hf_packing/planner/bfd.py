@@ -18,27 +18,47 @@ class _BestFit:
     """`"bfd"`: longest first, into the open pack with the least token room that fits every budget."""
 
     max_length: int
+    max_open_bins: int | None
+    repack_windows: int
+    repack_budget: int | None
     _open: dict[int, list[Any]]
     _next_id: int
 
     def _window_bfd(
-        self, idx: list[int], lens: list[int], imgs: list[int] | None, pats: list[int] | None, final: bool
+        self,
+        idx: list[int],
+        lens: list[int],
+        imgs: list[int] | None,
+        pats: list[int] | None,
+        final: bool,
+        born_of: dict[int, int] | None = None,
     ) -> list[list[int]]:
         s_idx, s_len, s_img, s_pat = self._sorted_window(idx, lens, imgs, pats)
+        # Per-sample sizes of every bin this window touches, so that a bin left open can be re-planned
+        # by the next window; not needed when nothing will be re-planned.
+        track = not final and self.repack_windows > 0 and self.max_open_bins != 0 and self.repack_budget != 0
         if s_img is None:
-            rems = self._bfd_tokens_only(s_idx, s_len)
+            rems, per_item = self._bfd_tokens_only(s_idx, s_len, track)
         else:
             assert s_pat is not None
-            rems = self._bfd_media(s_idx, s_len, s_img, s_pat)
-        return self._finish_window(rems, final)
+            rems, per_item = self._bfd_media(s_idx, s_len, s_img, s_pat, track)
+        return self._finish_window(rems, final, per_item, born_of)
 
-    def _bfd_tokens_only(self, s_idx: list[int], s_len: list[int]) -> list[tuple[int, int]]:
-        """Best fit on tokens: bisect over sorted keys `remaining << _SHIFT | bin_id`."""
+    def _bfd_tokens_only(
+        self, s_idx: list[int], s_len: list[int], track: bool
+    ) -> tuple[list[tuple[int, int]], dict[int, list[int]] | None]:
+        """Best fit on tokens: bisect over sorted keys `remaining << _SHIFT | bin_id`.
+
+        With `track`, also returns bin_id -> tokens of its samples placed in this window (complete
+        for the bins this window created; carried-over bins are never re-planned).
+        """
         ml = self.max_length
         sh = _SHIFT
         mask = _MASK
         open_bins = self._open
         items_of: dict[int, list[int]] = {bid: b[0] for bid, b in open_bins.items()}
+        # Carried-over bins collect their lengths in a list nobody reads.
+        lens_of: dict[int, list[int]] | None = {bid: [] for bid in open_bins} if track else None
         keys = sorted(((ml - b[1]) << sh) | bid for bid, b in open_bins.items())
         next_id = self._next_id
         bl = bisect_left
@@ -53,22 +73,27 @@ class _BestFit:
                 else:
                     del keys[pos]
                     keys.insert(new_pos, k)
-                items_of[k & mask].append(x)
+                bid = k & mask
+                items_of[bid].append(x)
+                if lens_of is not None:
+                    lens_of[bid].append(length)
             else:
                 k = ((ml - length) << sh) | next_id
                 keys.insert(bl(keys, k), k)
                 items_of[next_id] = [x]
+                if lens_of is not None:
+                    lens_of[next_id] = [length]
                 next_id += 1
         self._next_id = next_id
         rems = [(k >> sh, k & mask) for k in keys]
         rem_of = {bid: r for r, bid in rems}
         # Bin ids only grow, so sorting them restores creation order.
         self._open = {bid: [items_of[bid], ml - rem_of[bid], 0, 0] for bid in sorted(items_of)}
-        return rems
+        return rems, lens_of
 
     def _bfd_media(
-        self, s_idx: list[int], s_len: list[int], s_img: list[int], s_pat: list[int]
-    ) -> list[tuple[int, int]]:
+        self, s_idx: list[int], s_len: list[int], s_img: list[int], s_pat: list[int], track: bool
+    ) -> tuple[list[tuple[int, int]], dict[int, list[list[int]]] | None]:
         """Best fit with image/patch budgets.
 
         Fast path: the same sorted keys as `_bfd_tokens_only`; the first few token-feasible bins
@@ -81,7 +106,7 @@ class _BestFit:
         tightening them on the way. Updates only ever raise bounds, which is cheap; a bound that got
         stale when a bin left its leaf is repaired by the first query that trips over it. The tree
         is built on the first fallback of a window, so windows where the budgets never bind do not
-        pay for it.
+        pay for it. `track`: as in `_bfd_tokens_only`, with the samples' images and patches too.
         """
         ml = self.max_length
         mi, mp = self._media_limits()
@@ -155,6 +180,10 @@ class _BestFit:
                 i += 1
 
         next_id = self._next_id
+        # bin_id -> [tokens, images, patches] of the samples placed in this window (with `track`).
+        sizes_of: dict[int, list[list[int]]] | None = (
+            {bid: [[], [], []] for bid in self._open} if track else None
+        )
         for x, length, im, pa in zip(s_idx, s_len, s_img, s_pat):
             room_i = mi - im
             room_p = mp - pa
@@ -192,6 +221,11 @@ class _BestFit:
                 img_of[found] += im
                 pat_of[found] += pa
                 items_of[found].append(x)
+                if sizes_of is not None:
+                    sz = sizes_of[found]
+                    sz[0].append(length)
+                    sz[1].append(im)
+                    sz[2].append(pa)
             else:
                 found = next_id
                 next_id += 1
@@ -202,10 +236,12 @@ class _BestFit:
                 img_of[found] = im
                 pat_of[found] = pa
                 items_of[found] = [x]
+                if sizes_of is not None:
+                    sizes_of[found] = [[length], [im], [pa]]
             if live:
                 buckets.setdefault(r, []).append(found)
                 raise_leaf(r, mi - img_of[found], mp - pat_of[found])
         self._next_id = next_id
         rems = [(k >> sh, k & mask) for k in keys]
         self._open = {bid: [items_of[bid], ml - rem_of[bid], img_of[bid], pat_of[bid]] for bid in sorted(items_of)}
-        return rems
+        return rems, sizes_of

@@ -12,7 +12,7 @@ from .bfd import _BestFit
 from .closing import _ClosingRules
 from .strategies import _WindowStrategies
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 class StreamingPlanner(_ClosingRules, _BestFit, _WindowStrategies):
@@ -44,11 +44,22 @@ class StreamingPlanner(_ClosingRules, _BestFit, _WindowStrategies):
         close_threshold (`int`, *optional*):
             A pack whose remaining token room is `<=` this is closed at the end of a window
             (`ffd`/`bfd`). Defaults to `max_length // 200` (0.5%). Packs with less room than the
-            shortest sample seen so far are always closed.
+            shortest sample seen so far are closed too, unless the next window re-plans them
+            (`repack_windows`).
         seed (`int`, *optional*, defaults to 0):
             Recorded in the state. All strategies are currently deterministic (ties are broken by
             arrival order), so the output depends only on the input and the settings; the seed is
             reserved for randomised strategies and must match on `load_state_dict`.
+        repack_windows (`int`, *optional*, defaults to 2):
+            `"bfd"` only: how many later windows may re-plan a sample that sits in a pack still open
+            (not yet emitted). Such packs are dissolved and their samples planned again together with
+            the next window, which recombines them with the new samples; a pack holding a sample
+            that was already re-planned this often is kept as a pack instead and only receives
+            samples (closed when full or when it received nothing). `0` disables re-planning.
+        repack_budget (`int`, *optional*):
+            `"bfd"` only: most samples re-planned per window (the emptiest open packs first; the
+            others are kept as packs that only receive samples, as with `repack_windows=0`).
+            Defaults to `buffer_size // 4`, which bounds the extra planning work per window.
     """
 
     def __init__(
@@ -62,6 +73,8 @@ class StreamingPlanner(_ClosingRules, _BestFit, _WindowStrategies):
         max_open_bins: int | None = None,
         close_threshold: int | None = None,
         seed: int = 0,
+        repack_windows: int = 2,
+        repack_budget: int | None = None,
     ) -> None:
         self.max_length: int = _check_int("max_length", max_length, minimum=1)  # type: ignore[assignment]
         if strategy not in STRATEGIES:
@@ -82,6 +95,12 @@ class StreamingPlanner(_ClosingRules, _BestFit, _WindowStrategies):
             "close_threshold", close_threshold, minimum=0
         )
         self.seed: int = _check_int("seed", seed, minimum=-(2**63))  # type: ignore[assignment]
+        self.repack_windows: int = _check_int(  # type: ignore[assignment]
+            "repack_windows", repack_windows, minimum=0
+        )
+        if repack_budget is None and buffer_size is not None:
+            repack_budget = buffer_size // 4
+        self.repack_budget: int | None = _check_int("repack_budget", repack_budget, minimum=0, allow_none=True)
         self._media = self.max_images is not None or self.max_vision_patches is not None
         self._reset_state()
 
@@ -103,6 +122,11 @@ class StreamingPlanner(_ClosingRules, _BestFit, _WindowStrategies):
         self._num_windows = 0
         self._num_emitted = 0
         self._carried: dict[int, int] = {}
+        # Open bins the next window re-plans (`"bfd"`, `repack_windows > 0`): bin_id -> [per-sample
+        # tokens, per-sample images, per-sample patches, born], born = the earliest window number any
+        # of its samples was first planned in (the media lists are empty without media budgets).
+        # Every other open bin is frozen: it keeps its samples and only receives more.
+        self._repack: dict[int, list[Any]] = {}
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -114,6 +138,8 @@ class StreamingPlanner(_ClosingRules, _BestFit, _WindowStrategies):
             "max_open_bins": self.max_open_bins,
             "close_threshold": self.close_threshold,
             "seed": self.seed,
+            "repack_windows": self.repack_windows,
+            "repack_budget": self.repack_budget,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -127,6 +153,7 @@ class StreamingPlanner(_ClosingRules, _BestFit, _WindowStrategies):
             "version": _STATE_VERSION,
             "config": self._config(),
             "open_bins": [[bid, list(b[0]), b[1], b[2], b[3]] for bid, b in self._open.items()],
+            "repack": [[bid, list(r[0]), list(r[1]), list(r[2]), r[3]] for bid, r in self._repack.items()],
             "pending": {
                 "indices": list(self._p_idx),
                 "lengths": list(self._p_len),
@@ -165,6 +192,13 @@ class StreamingPlanner(_ClosingRules, _BestFit, _WindowStrategies):
         self._reset_state()
         for bid, items, tokens, images, patches in state["open_bins"]:
             self._open[int(bid)] = [[int(x) for x in items], int(tokens), int(images), int(patches)]
+        for bid, lens, images, patches, born in state["repack"]:
+            self._repack[int(bid)] = [
+                [int(x) for x in lens],
+                [int(x) for x in images],
+                [int(x) for x in patches],
+                int(born),
+            ]
         pending = state["pending"]
         self._p_idx = [int(x) for x in pending["indices"]]
         self._p_len = [int(x) for x in pending["lengths"]]
@@ -344,15 +378,40 @@ class StreamingPlanner(_ClosingRules, _BestFit, _WindowStrategies):
                         self._min_media_img = mmi
                     if self._min_media_pat is None or mmp < self._min_media_pat:
                         self._min_media_pat = mmp
+        # Dissolve the open bins this window re-plans: their samples go in front of the new ones
+        # (bin creation order, then order within the bin; the stable sort keeps older samples first
+        # among equal lengths). `born_of` maps a re-planned sample to the window it was first planned
+        # in (with repeated indices, the earliest: a sample can only look older, never younger).
+        born_of: dict[int, int] = {}
+        if self._repack:
+            d_idx: list[int] = []
+            d_len: list[int] = []
+            d_img: list[int] = []
+            d_pat: list[int] = []
+            for bid, (r_len, r_img, r_pat, born) in self._repack.items():
+                items = self._open.pop(bid)[0]
+                d_idx += items
+                d_len += r_len
+                if self._media:
+                    d_img += r_img
+                    d_pat += r_pat
+                for x in items:
+                    if born_of.get(x, born) >= born:
+                        born_of[x] = born
+            self._repack = {}
+            idx, lens = d_idx + idx, d_len + lens
+            if self._media:
+                imgs, pats = d_img + imgs, d_pat + pats
+        if lens:
             self._num_windows += 1
         if not self._media:
             imgs = pats = None  # type: ignore[assignment]
-        # Sizes of the carried-over bins, to spot those that received nothing in this window.
+        # Sizes of the carried-over (frozen) bins, to spot those that received nothing in this window.
         self._carried = {bid: len(b[0]) for bid, b in self._open.items()}
         if self.strategy == "next_fit":
             packs = self._window_next_fit(idx, lens, imgs, pats, final)
         elif self.strategy == "bfd":
-            packs = self._window_bfd(idx, lens, imgs, pats, final)
+            packs = self._window_bfd(idx, lens, imgs, pats, final, born_of)
         elif self.strategy == "ffd":
             packs = self._window_ffd(idx, lens, imgs, pats, final)
         else:
