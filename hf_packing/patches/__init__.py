@@ -72,7 +72,7 @@ def _sync_attention_state() -> None:
             _, text_cls, vision_cls = FAMILIES[name].classes()
             text.add(text_cls)
             vision.add(vision_cls)
-    _attention.STATE["text_classes"], _attention.STATE["vision_classes"] = text, vision
+    _attention.STATE["text_classes"], _attention.STATE["vision_classes"] = tuple(text), tuple(vision)
 
 
 def apply_rmpad(

@@ -23,7 +23,7 @@ PACKED_KWARG = "hf_packing_seqs"
 WRAPPED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 #: set by apply_rmpad: the backend name and the attention classes that take the varlen route.
-STATE: dict[str, Any] = {"backend": "auto", "text_classes": set(), "vision_classes": set()}
+STATE: dict[str, Any] = {"backend": "auto", "text_classes": (), "vision_classes": ()}
 
 
 def _to_flat(t: torch.Tensor) -> torch.Tensor:
@@ -48,10 +48,10 @@ def make_dispatcher(original: Callable) -> Callable:
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         seqs = kwargs.pop(PACKED_KWARG, None)
-        cls = type(module)
-        if cls in STATE["vision_classes"] and kwargs.get("cu_seq_lens_q") is not None:
+        # isinstance, not type(): FSDP2's fully_shard swaps a wrapped module's class for a generated subclass.
+        if kwargs.get("cu_seq_lens_q") is not None and isinstance(module, STATE["vision_classes"]):
             seqs, causal = _vision_seqs(kwargs["cu_seq_lens_q"], kwargs.get("max_length_q")), False
-        elif seqs is not None and cls in STATE["text_classes"]:
+        elif seqs is not None and isinstance(module, STATE["text_classes"]):
             causal = True
         else:
             return original(module, query, key, value, attention_mask, **kwargs)
