@@ -44,6 +44,7 @@ class PackConfig:
     stopping_strategy: str = "first_exhausted"
     max_image_pixels: int = 89_478_485
     disable_progress: bool = False
+    leftovers: str = "drop"
 
     def preprocessor(self, processor: Any) -> Preprocessor:
         return Preprocessor(processor, max_length=self.max_length, image_root=self.image_root, train_on=self.train_on,
@@ -136,6 +137,8 @@ class Replica:
                 if packs and not self._emit(packs, put):
                     return
         self._emit(self.planner.flush(), put)
+        if self.cfg.leftovers == "spread" and self.unassigned:
+            self._spread(put)
         self.g["leftover_packs"] = len(self.unassigned)
         self.g["leftover_samples"] = sum(len(p) for p in self.unassigned)
         self.g["done"] = 1
@@ -198,12 +201,7 @@ class Replica:
         self.unassigned.extend(packs)
         if len(self.unassigned) < self.world:
             return True
-        s0 = self._prune()
-        window = None
-        if put is not None:
-            window = Window(planner=self.planner.state_dict(), next_seq=self.seq, s0=s0,
-                            source_state=self.src_states[s0], packs=self.unassigned,
-                            counters={"global": dict(self.g), "meta_skips": dict(self.meta_skips)})
+        window = self._window() if put is not None else None
         offset = 0
         while len(self.unassigned) - offset >= self.world:
             group, offset = self.unassigned[offset : offset + self.world], offset + self.world
@@ -218,6 +216,33 @@ class Replica:
                     self.rows.pop(i, None)
         self.unassigned = self.unassigned[offset:]
         return True
+
+    def _window(self) -> Window:
+        s0 = self._prune()
+        return Window(planner=self.planner.state_dict(), next_seq=self.seq, s0=s0, source_state=self.src_states[s0],
+                      packs=self.unassigned, counters={"global": dict(self.g), "meta_skips": dict(self.meta_skips)})
+
+    def _spread(self, put: Callable[[Any], bool] | None) -> None:
+        """``leftovers="spread"``: the last incomplete group goes one pack per rank, in rank order; ranks past its end
+        get an unsupervised 1-token filler. Every pack is yielded once and all ranks still take equal steps."""
+        window, group = (self._window() if put is not None else None), self.unassigned
+        q = self.next_group
+        self.next_group += 1
+        if put is not None and (q // self.cfg.batch_size) % self.workers == self.worker:
+            if self.rank < len(group):
+                samples = self._process(group[self.rank])
+            else:
+                samples = [self._filler()]
+                self.mine.update(packs=1, tokens=1)
+            if not put(("pack", samples, self.snapshot(window, len(group)))):
+                return
+        self.unassigned = []
+
+    def _filler(self) -> dict[str, Any]:
+        """A 1-token sample without targets: a pack that keeps ranks in step and adds nothing to the loss."""
+        one = torch.ones(1, dtype=torch.long)
+        return {"input_ids": one * (self.pre.tokenizer.pad_token_id or 0), "labels": one * -100,
+                "attention_mask": one, "mm_token_type_ids": one * 0, "num_tokens": 1, "index": -1}
 
     def _prune(self) -> int:
         """Drops source positions older than the oldest row still held; returns that row's seq."""
@@ -260,9 +285,7 @@ class Replica:
                 self.mine[f"samples/{source}"] += 1
         if not samples:  # every sample failed to decode: keep ranks in step with a 1-token, unsupervised filler
             self.proc_skips["empty_pack"] += 1
-            one = torch.ones(1, dtype=torch.long)
-            samples = [{"input_ids": one * (self.pre.tokenizer.pad_token_id or 0), "labels": one * -100,
-                        "attention_mask": one, "mm_token_type_ids": one * 0, "num_tokens": 1, "index": -1}]
+            samples = [self._filler()]
         lengths = [s["num_tokens"] for s in samples]
         self.mine.update(packs=1, samples=len(samples), tokens=sum(lengths),
                          images=sum(len(s["image_grid_thw"]) for s in samples if "image_grid_thw" in s))

@@ -21,7 +21,9 @@ How it works, without any collective:
    expensive pack to the rank with the least cumulative cost, where a pack costs Σ (n + n² // 65,536) over its
    samples' lengths n (dense FLOPs ∝ n, attention ∝ n²; the two are equal near n ≈ N / (layers · hidden), ~65k for
    a 7B model). Every rank yields exactly as many packs as the others whatever the shard sizes; a final incomplete
-   group is left over and counted in `stats()` (never silently lost).
+   group is left over and counted in `stats()` (never silently lost), or, with `leftovers="spread"` (for eval sets,
+   where every sample must count once), handed out one pack per rank, ranks past its end getting a 1-token
+   unsupervised filler.
 3. **Workers.** DataLoader worker w of W takes the rank's packs j with (j // batch_size) % W == w; the DataLoader
    interleaves workers round-robin, so the batches are the same, in the same order, for any `num_workers`. Only a
    worker's own packs get pixel processing ([`~hf_packing.data.Preprocessor.process`]), which checks the processed
@@ -81,6 +83,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
         super().__init__()
         if cfg.on_error not in ("skip", "raise"):
             raise ValueError(f"on_error must be 'skip' or 'raise', got {cfg.on_error!r}")
+        if cfg.leftovers not in ("drop", "spread"):
+            raise ValueError(f"leftovers must be 'drop' or 'spread', got {cfg.leftovers!r}")
         if cfg.batch_size < 1 or cfg.prefetch < 1 or cfg.buffer_size < 1:
             raise ValueError("batch_size, prefetch and buffer_size must be >= 1")
         cfg.preprocessor(processor)  # validates train_on / on_overlong here rather than in a worker
@@ -328,6 +332,7 @@ def pack_dataset(
     stopping_strategy: str = "first_exhausted",
     max_image_pixels: int = 89_478_485,
     disable_progress: bool = False,
+    leftovers: str = "drop",
 ) -> PackedDataset:
     """Streams packs of processed multimodal samples: rank-equal, the same for any `num_workers`, resumable.
 
@@ -354,6 +359,9 @@ def pack_dataset(
         stopping_strategy (`str`, defaults to `"first_exhausted"`): when mixing (`"all_exhausted"` oversamples).
         max_image_pixels (`int`, defaults to 89,478,485): images larger than this (by header) are skipped.
         disable_progress (`bool`, defaults to `False`): no tqdm bar for planning passes.
+        leftovers (`str`, defaults to `"drop"`): the last group of fewer than `world_size` packs: `"drop"` leaves it
+            over (counted in `stats()`); `"spread"` gives it one pack per rank and the remaining ranks a 1-token
+            unsupervised filler, so each pack is yielded exactly once: use it for eval sets.
 
     Returns:
         [`PackedDataset`]: a `torch.utils.data.IterableDataset` of packs with `state_dict()`, `load_state_dict()`,
@@ -371,5 +379,5 @@ def pack_dataset(
                      max_vision_patches=max_vision_patches, buffer_size=buffer_size, seed=seed, image_root=image_root,
                      train_on=train_on, on_overlong=on_overlong, on_error=on_error, prefetch=prefetch,
                      batch_size=batch_size, stopping_strategy=stopping_strategy, max_image_pixels=max_image_pixels,
-                     disable_progress=disable_progress)
+                     disable_progress=disable_progress, leftovers=leftovers)
     return PackedDataset(ds, processor, cfg, weights=weights, rank=rank, world_size=world_size)

@@ -126,6 +126,7 @@ class PackingTelemetry(TrainerCallback):
         self.peak_tflops = peak_tflops if peak_tflops is not None else default_peak_tflops()
         self.model_flops, self._handle, self._packs_per_batch = model_flops, None, 1
         self._reset()
+        self._start_window(0)  # evaluate() / save before train() reach on_evaluate / on_save
 
     # ------------------------------------------------------------------------------------------ counting
     def _reset(self) -> None:
@@ -219,8 +220,7 @@ class PackingTelemetry(TrainerCallback):
         self._world = max(1, args.world_size if self.all_reduce else 1)
         if model is not None:
             self.attach(model)
-        self._window_start = self._mark = time.perf_counter()
-        self._excluded, self._last_step = 0.0, state.global_step
+        self._start_window(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.detach()
@@ -262,8 +262,11 @@ class PackingTelemetry(TrainerCallback):
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(new)
         self._reset()
-        self._window_start = self._mark = now
-        self._excluded, self._last_step = 0.0, state.global_step
+        self._start_window(state.global_step, now)
+
+    def _start_window(self, step: int, now: float | None = None) -> None:
+        self._window_start = self._mark = time.perf_counter() if now is None else now
+        self._excluded, self._last_step = 0.0, step
 
 
 def add_telemetry(trainer: Any, **kwargs: Any) -> PackingTelemetry:

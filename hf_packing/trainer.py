@@ -6,9 +6,11 @@ Two accelerate defaults break packed batches silently or loudly:
   to the batch size along dim 0, which truncates ``cu_seqlens`` (B+1 entries) and ``pixel_values``
   (one row per vision patch). `prepare_trainer` turns dispatching (and batch splitting) off.
 - Under several processes accelerate wraps every torch ``IterableDataset`` in ``IterableDatasetShard``, which
-keeps every ``world_size``-th batch of the stream. `pack_dataset` already hands each rank its own,
+  keeps every ``world_size``-th batch of the stream. `pack_dataset` already hands each rank its own,
   rank-equal share, so that wrapper would silently train each rank on 1/world_size of its packs
-  (measured: 2 of 4 packs on rank 1 of 2). `keep_rank_packs` makes it a pass-through for packed datasets.
+  (measured: 2 of 4 packs on rank 1 of 2). In evaluation it re-shards the eval stream the same way (measured: 4 of
+  8 eval packs evaluated, 5 of 12 samples). `keep_rank_packs` makes it a pass-through for packed datasets, in
+  ``get_train_dataloader``, ``get_eval_dataloader`` and ``get_test_dataloader``.
 
 It also repairs resuming: transformers 5.23's ``Trainer._load_from_checkpoint`` loads ``model.safetensors``
 non-strictly and without key conversion, while ``save_pretrained`` writes Qwen-VL checkpoints in the
@@ -16,32 +18,65 @@ original key layout (``model.layers.*``, ``visual.*``); only ``lm_head`` matches
 keeps its initial weights (huggingface/transformers#43701). `reload_checkpoints_with_key_conversion` loads the
 checkpoint again through ``from_pretrained`` (the model's own conversion) and copies it in strictly.
 
-`prepare_trainer` does all three and puts the packing telemetry in front of the reporting callbacks.
+Evaluation is token-level like training (`hf_packing.evaluation.token_level_evaluation`): ``eval_loss`` = Σ token CE
+/ Σ supervised tokens over the whole eval set, whatever the packing, batch size or number of processes.
+
+`TrainingArguments(use_liger_kernel=True)` makes ``Trainer.train()`` replace the model's forward with Liger's, which
+would undo `apply_rmpad` and hand the collator's ``cu_seqlens`` to the vision tower: `prepare_trainer` refuses it.
+
+`prepare_trainer` does all of this and puts the packing telemetry in front of the reporting callbacks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 
 def keep_rank_packs(trainer: Any) -> Any:
-    """Let each rank see every pack `pack_dataset` gave it (see the module docstring). Returns ``trainer``."""
-    original = trainer.get_train_dataloader
+    """Let each rank see every pack `pack_dataset` gave it, in training, evaluation and prediction (see the module
+    docstring). Returns ``trainer``."""
+    for name in ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader"):
+        if hasattr(trainer, name):
+            setattr(trainer, name, _unsharded(getattr(trainer, name)))
+    return trainer
 
-    def get_train_dataloader(*args, **kwargs):
-        from accelerate.data_loader import IterableDatasetShard
 
-        from .stream import PackedDataset
-
-        loader = original(*args, **kwargs)
+def _unsharded(get_dataloader: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(*args, **kwargs):
+        loader = get_dataloader(*args, **kwargs)
         shard = getattr(loader, "dataset", None)
-        if isinstance(shard, IterableDatasetShard) and isinstance(shard.dataset, PackedDataset):
+        if packed_dataset(loader) not in (None, shard):  # accelerate's IterableDatasetShard around our packs
             shard.num_processes, shard.process_index = 1, 0
         return loader
 
-    trainer.get_train_dataloader = get_train_dataloader
-    return trainer
+    return wrapped
+
+
+def packed_dataset(loader: Any) -> Any:
+    """The `PackedDataset` a DataLoader iterates (directly or in accelerate's ``IterableDatasetShard``), else None."""
+    from accelerate.data_loader import IterableDatasetShard
+
+    from .stream import PackedDataset
+
+    dataset = getattr(loader, "dataset", None)
+    dataset = dataset.dataset if isinstance(dataset, IterableDatasetShard) else dataset
+    return dataset if isinstance(dataset, PackedDataset) else None
+
+
+def base_model(model: Any) -> Any:
+    """The model under DDP / FSDP (``.module``) and PEFT (``get_base_model()``) wrappers."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def is_patched(model: Any) -> bool:
+    """Whether ``model``'s class forward is `hf_packing.apply_rmpad`'s (through DDP / PEFT wrappers)."""
+    return hasattr(type(base_model(model)).forward, "hf_packing_original")
 
 
 def reload_checkpoints_with_key_conversion(trainer: Any) -> Any:
@@ -82,11 +117,29 @@ def no_dispatch(trainer: Any) -> Any:
     return trainer
 
 
+def refuse_liger_kernel(trainer: Any) -> Any:
+    """Raise if ``use_liger_kernel`` would replace the forward `apply_rmpad` patched. Returns ``trainer``."""
+    if getattr(trainer.args, "use_liger_kernel", False) and is_patched(trainer.model):
+        raise ValueError(
+            "TrainingArguments(use_liger_kernel=True) replaces the model's forward with Liger's, undoing "
+            "hf_packing.apply_rmpad (packed batches would reach the unpatched vision tower and attention); set "
+            "use_liger_kernel=False: apply_rmpad already computes the loss with Liger's fused linear cross-entropy "
+            "when liger-kernel is installed on CUDA (apply_rmpad(use_liger=True) forces it)"
+        )
+    return trainer
+
+
 def prepare_trainer(trainer: Any, *, telemetry: bool = True, **telemetry_kwargs: Any) -> Any:
-    """`keep_rank_packs`, `no_dispatch`, `reload_checkpoints_with_key_conversion` and, unless ``telemetry=False``, `hf_packing.telemetry.add_telemetry`. Returns ``trainer``."""
+    """`refuse_liger_kernel`, `keep_rank_packs`, `no_dispatch`, `reload_checkpoints_with_key_conversion`,
+    `hf_packing.evaluation.token_level_evaluation` and, unless ``telemetry=False``,
+    `hf_packing.telemetry.add_telemetry`. Returns ``trainer``."""
+    from .evaluation import token_level_evaluation
+
+    refuse_liger_kernel(trainer)
     keep_rank_packs(trainer)
     no_dispatch(trainer)
     reload_checkpoints_with_key_conversion(trainer)
+    token_level_evaluation(trainer)
     if telemetry:
         from .telemetry import add_telemetry
 

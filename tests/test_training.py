@@ -70,13 +70,15 @@ def uneven_data(tmp_path_factory) -> list[str]:
     return files
 
 
-def launch(work: Path, timeout: float, **config) -> tuple[subprocess.CompletedProcess | None, list[dict], float]:
-    """torchrun --nproc_per_node 2 the helper; returns (process or None if it timed out, rank results, seconds)."""
+def launch(work: Path, timeout: float, *, helper: Path = HELPER, **config
+           ) -> tuple[subprocess.CompletedProcess | None, list[dict], float]:
+    """torchrun --nproc_per_node 2 ``helper`` on CONFIG.json (``config``); returns (process or None if it timed out,
+    rank results, seconds)."""
     work.mkdir(parents=True, exist_ok=True)
     config = {"out": str(work / "out"), "output_dir": str(work / "trainer"), "max_length": MAX_LENGTH,
               "pg_timeout": 60, **config}
     (work / "config.json").write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(HELPER),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(helper),
            str(work / "config.json")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{Path(__file__).parent}",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

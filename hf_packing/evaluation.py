@@ -1,0 +1,167 @@
+"""Token-level evaluation for a Trainer on packed batches: ``eval_loss = Σ token CE / Σ supervised tokens``.
+
+The Trainer's own ``eval_loss`` is the mean of per-batch means, so a token in a small pack weighs more than one in
+a big pack, and the number moves with ``max_length``, the eval batch size and the number of processes (a tiny
+Qwen2.5-VL on the same 12 samples: 1.72207 in 7 packs of 256 tokens, 1.72750 in 2 packs of 1024; the token-level
+mean is 1.72258 both ways).
+Training is token-level (``num_items_in_batch``); `token_level_evaluation` makes evaluation token-level too, by
+wrapping two methods of the Trainer instance:
+
+- ``compute_loss`` during evaluation: the model gets no ``num_items_in_batch``, so its loss is the batch's own mean;
+  the batch adds ``(loss × n, n, n_correct)`` to on-device sums. ``n`` is the patched forward's
+  ``num_supervised_tokens``, else ``(labels[..., 1:] != -100).sum()`` (transformers' shift); ``n_correct`` (argmax ==
+  target) is the patched forward's ``num_correct_tokens``, computed chunk by chunk inside its loss, else it is read
+  from ``logits``.
+- ``evaluation_loop`` (under both ``evaluate()`` and ``predict()``): sums the three numbers over processes once at the
+  end (one all-reduce), sets ``{prefix}_loss`` to Σ CE / Σ n and adds ``{prefix}_token_accuracy`` = Σ n_correct / Σ n.
+
+Mixture-of-experts models (Qwen3-VL-MoE) add ``router_aux_loss_coef · aux_loss`` to the loss when
+``output_router_logits`` is on; ``eval_loss`` is the cross-entropy alone (the aux term is subtracted), so it compares
+with dense models and with a perplexity.
+
+With a ``compute_loss_func`` or ``label_smoothing_factor`` the loss is the user's and cannot be split into tokens:
+the Trainer's own ``eval_loss`` is left as it is.
+
+Memory. Under `hf_packing.apply_rmpad`, when only the loss is needed (``evaluate()`` without ``compute_metrics``,
+or ``prediction_loss_only=True``) the forward gets ``skip_logits=True``: no ``(tokens × vocab)`` logits exist at any
+time beyond one loss chunk, and ``eval_token_accuracy`` comes for free. With ``compute_metrics`` the forward returns
+``(B, L, vocab)`` logits like the unpatched model, and the Trainer pads them across processes, gathers them and
+keeps every step's until ``eval_accumulation_steps`` moves them to the CPU: ``L × vocab × 4`` bytes per row in fp32
+(an 8,192-token row of a 151,936-token vocabulary: 5.0 GB; in bf16 2.5 GB), times the rows of the whole eval set.
+``preprocess_logits_for_metrics`` shrinks what is kept (``logits.argmax(-1)``: ``L × 8`` bytes per row), though each
+step's logits still exist once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import logging
+from functools import partial
+
+import torch
+
+from .trainer import base_model, is_patched, packed_dataset
+
+logger = logging.getLogger("hf_packing")
+IGNORE_INDEX = -100
+
+
+def _aux_term(model: Any, outputs: Any) -> torch.Tensor | float:
+    """``router_aux_loss_coef · aux_loss`` when the loss includes it (MoE with ``output_router_logits``), else 0."""
+    aux = getattr(outputs, "aux_loss", None)
+    if aux is None:
+        return 0.0
+    config = base_model(model).config
+    coef = getattr(config.get_text_config(), "router_aux_loss_coef", None)
+    coef = coef if coef is not None else getattr(config, "router_aux_loss_coef", 0.0)
+    return coef * aux.detach()
+
+
+def _targets(inputs: dict[str, Any]) -> torch.Tensor:
+    """Each position's target, aligned with the logits: ``shift_labels`` if given, else labels shifted left."""
+    if inputs.get("shift_labels") is not None:
+        return inputs["shift_labels"]
+    labels = inputs["labels"]
+    return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def batch_sums(model: Any, inputs: dict[str, Any], loss: torch.Tensor, outputs: Any) -> torch.Tensor:
+    """``[Σ CE, n supervised, n correct, 1 if n correct is unknown]`` of one eval batch, as float64 on ``loss``'s device.
+
+    ``loss`` is the batch's mean cross-entropy (no ``num_items_in_batch``), ``outputs`` the model's output.
+    """
+    device = loss.device
+    n = getattr(outputs, "num_supervised_tokens", None)
+    targets = None
+    if n is None:
+        targets = _targets(inputs)
+        n = (targets != IGNORE_INDEX).sum()
+    n = torch.as_tensor(n, dtype=torch.float64, device=device)
+    ce_mean = (loss.detach() - _aux_term(model, outputs)).double()
+    correct = getattr(outputs, "num_correct_tokens", None)
+    logits = getattr(outputs, "logits", None)
+    if correct is None and isinstance(logits, torch.Tensor):
+        targets = _targets(inputs) if targets is None else targets
+        correct = ((logits.argmax(-1) == targets) & (targets != IGNORE_INDEX)).sum()
+    known = correct is not None
+    correct = torch.as_tensor(correct if known else 0, dtype=torch.float64, device=device)
+    ce_sum = torch.where(n > 0, ce_mean * n, torch.zeros_like(n))  # a batch without targets: mean is NaN
+    return torch.stack([ce_sum, n, correct, torch.ones_like(n) * (not known)])
+
+
+class _Sums:
+    """What the wrapped methods share during one ``evaluation_loop``."""
+
+    def __init__(self) -> None:
+        self.active, self.loss_only, self.total, self.warned = False, False, None, False
+
+    def start(self, loss_only: bool) -> None:
+        self.active, self.loss_only, self.total = True, loss_only, None
+
+    def add(self, sums: torch.Tensor) -> None:
+        self.total = sums if self.total is None else self.total + sums
+
+
+def token_level_evaluation(trainer: Any) -> Any:
+    """Make ``evaluate()`` / ``predict()`` report token-level ``{prefix}_loss`` and ``{prefix}_token_accuracy``, and
+    skip the logits under the patch when only the loss is needed (see the module docstring). Returns ``trainer``."""
+    state = _Sums()
+    original_loss, original_loop = trainer.compute_loss, trainer.evaluation_loop
+
+    def own_loss() -> bool:
+        return trainer.compute_loss_func is None and trainer.label_smoother is None
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not (state.active and own_loss()):
+            return original_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if state.loss_only and is_patched(model):
+            inputs = {**inputs, "skip_logits": True}
+        loss, outputs = original_loss(model, inputs, return_outputs=True)  # the batch's own mean
+        state.add(batch_sums(model, inputs, loss, outputs))
+        return (loss, outputs) if return_outputs else loss
+
+    def evaluation_loop(dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):  # fmt: skip
+        loss_only = prediction_loss_only if prediction_loss_only is not None else trainer.args.prediction_loss_only
+        state.start(bool(loss_only))
+        packs = packed_dataset(dataloader)
+        if packs is not None:
+            trainer.gather_function = partial(_gather_rows, trainer.accelerator)
+            if packs.cfg.leftovers == "drop" and trainer.accelerator.num_processes > 1 and not state.warned:
+                state.warned = True
+                logger.warning("the eval set was packed with leftovers='drop': its last packs (fewer than world_size) "
+                               "are not evaluated; pass leftovers='spread' to pack_dataset for eval sets")  # fmt: skip
+        try:
+            output = original_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
+                                   ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)  # fmt: skip
+        finally:
+            state.active = False
+        if own_loss():
+            _report(trainer, state.total, output.metrics, metric_key_prefix)
+        return output
+
+    trainer.compute_loss, trainer.evaluation_loop = compute_loss, evaluation_loop
+    return trainer
+
+
+def _gather_rows(accelerator: Any, tensors: Any) -> Any:
+    """The Trainer's per-step gather for packed eval sets. A rank's rows are its packs' samples, so ranks differ in
+    rows: pad dim 0 with -100 (rows without labels) before gathering, as the Trainer pads dim 1. Each rank's packs are
+    its own, none repeated, so everything is kept; ``gather_for_metrics`` would cut the last step to
+    ``len(packs) % batch_size`` rows once the stream's length is known (from its second pass on)."""
+    return accelerator.gather(accelerator.pad_across_processes(tensors, dim=0, pad_index=IGNORE_INDEX))
+
+
+def _report(trainer: Any, total: torch.Tensor | None, metrics: dict[str, float], prefix: str) -> None:
+    """All-reduce the sums (every rank calls this) and write the token-level metrics into ``metrics``."""
+    device = total.device if total is not None else trainer.args.device
+    dtype = torch.float32 if torch.device(device).type == "mps" else torch.float64
+    total = (total if total is not None else torch.zeros(4, device=device)).to(dtype)
+    if trainer.accelerator.num_processes > 1:
+        total = trainer.accelerator.reduce(total, reduction="sum")
+    ce, n, correct, unknown = total.tolist()
+    if n > 0:
+        metrics[f"{prefix}_loss"] = ce / n
+        if unknown == 0:
+            metrics[f"{prefix}_token_accuracy"] = correct / n

@@ -1,0 +1,307 @@
+"""Evaluation through `prepare_trainer`: token-level eval_loss, metrics, before / during / after training, 2 processes.
+
+The reference is always the unpatched model run on one sample at a time: Σ (mean CE × supervised tokens) / Σ tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hf_packing
+from hf_packing import VisionCollator, pack_dataset, prepare_trainer
+from hf_packing.trainer import keep_rank_packs, no_dispatch
+from tests.conftest import load_processor
+from tests.test_training import check_ok, launch, write_parquet
+
+HELPER = Path(__file__).parent / "multiproc_eval.py"
+LENGTHS = (256, 1024)  # pack the same 12 samples into 7 and 2 packs
+REL = 1e-5
+
+
+def _patched_forward_has_eval_contract() -> bool:
+    """The forward contract (logits and token counts with labels in eval) landed with `[forward-contract]`."""
+    from hf_packing.patches import _forward
+
+    return "num_supervised_tokens" in Path(_forward.__file__).read_text()
+
+
+NEEDS_CONTRACT = pytest.mark.skipif(not _patched_forward_has_eval_contract(),
+                                    reason="the patched forward's eval contract is not merged yet")
+PATCHED = [False, pytest.param(True, marks=NEEDS_CONTRACT)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny Qwen2.5-VL after 6 Adam steps on other rows: token accuracy about 0.6, neither 0 nor 1."""
+    from transformers import AutoProcessor
+
+    from hf_packing.tiny import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    path = save_tiny_checkpoint("qwen2_5_vl", root / "qwen2_5_vl")
+    write_parquet(root / "train.parquet", 12, seed=3, start=0, images="none")
+    model, processor = _load(path, patched=False), AutoProcessor.from_pretrained(path)
+    collator = VisionCollator(processor, model_config=model.config)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        for pack in _packs(str(root / "train.parquet"), processor, 512):
+            model(**collator([pack])).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("eval") / "eval.parquet"
+    write_parquet(path, 12, seed=7, start=0, images="mixed")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_model):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_model)
+
+
+def _packs(eval_file: str, processor, max_length: int, rank: int = 0, world_size: int = 1, leftovers: str = "spread"):
+    from datasets import load_dataset
+
+    ds = load_dataset("parquet", data_files=eval_file, split="train")
+    return pack_dataset(ds, processor, max_length=max_length, rank=rank, world_size=world_size, leftovers=leftovers,
+                        disable_progress=True)  # fmt: skip
+
+
+def _load(tiny_model: Path, *, patched: bool):
+    from transformers import AutoModelForImageTextToText
+
+    if patched:
+        hf_packing.apply_rmpad("qwen2_5_vl")
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
+
+
+def _trainer(tmp_path, model, processor, *, train=None, eval_dataset=None, prepare: bool = True, **kwargs):
+    from transformers import Trainer, TrainingArguments
+
+    args = dict(output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[], per_device_train_batch_size=1,
+                per_device_eval_batch_size=1, remove_unused_columns=False, dataloader_num_workers=0, max_steps=2,
+                save_strategy="no", disable_tqdm=True, seed=0)  # fmt: skip
+    args.update({k: kwargs.pop(k) for k in list(kwargs) if k in TrainingArguments.__dataclass_fields__})
+    trainer = Trainer(model=model, args=TrainingArguments(**args), train_dataset=train, eval_dataset=eval_dataset,
+                      data_collator=VisionCollator(processor, model_config=model.config), **kwargs)  # fmt: skip
+    return prepare_trainer(trainer, max_length=LENGTHS[0]) if prepare else no_dispatch(keep_rank_packs(trainer))
+
+
+def _reference(model, processor, samples) -> tuple[float, float, int]:
+    """(token-level mean CE, token accuracy, supervised tokens) of the unpatched model, one sample at a time."""
+    collator = VisionCollator(processor, model_config=model.config)
+    model.eval()
+    ce = correct = n = 0.0
+    with torch.no_grad():
+        for sample in samples:
+            batch = collator([[sample]])
+            out = model(**batch)
+            targets = batch["labels"][:, 1:]
+            mask = targets != -100
+            ce += out.loss.double().item() * mask.sum().item()
+            correct += ((out.logits[:, :-1].argmax(-1) == targets) & mask).sum().item()
+            n += mask.sum().item()
+    return ce / n, correct / n, int(n)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, processor, eval_file):
+    hf_packing.revert_rmpad()
+    samples = [s for pack in _packs(eval_file, processor, max(LENGTHS)) for s in pack]
+    loss, accuracy, n = _reference(_load(tiny_model, patched=False), processor, samples)
+    print(f"reference: {len(samples)} samples, {n} supervised tokens, token-level CE {loss:.6f}, "
+          f"accuracy {accuracy:.4f}")
+    return {"loss": loss, "accuracy": accuracy, "n": n, "indices": sorted(int(s["index"]) for s in samples)}
+
+
+# ------------------------------------------------------------------------------------------ one process
+def test_evaluate_before_train_works_with_telemetry(tmp_path, tiny_model, processor, eval_file):
+    """`PackingTelemetry.on_evaluate` ran before `on_train_begin` had set its timers: AttributeError."""
+    packs = _packs(eval_file, processor, LENGTHS[0])
+    trainer = _trainer(tmp_path, _load(tiny_model, patched=False), processor, train=packs, eval_dataset=packs)
+    metrics = trainer.evaluate()
+    assert math.isfinite(metrics["eval_loss"])
+
+
+@pytest.mark.parametrize("patched", PATCHED, ids=["unpatched", "patched"])
+def test_eval_loss_is_the_token_level_mean_at_any_max_length(tmp_path, tiny_model, processor, eval_file, reference,
+                                                              patched):  # fmt: skip
+    """The same 12 samples in 5 packs (256) or 2 packs (1024): eval_loss = Σ CE / Σ tokens of the unpatched model
+    sample by sample. Negative control: the Trainer's own eval_loss (mean of per-pack means) differs."""
+    model = _load(tiny_model, patched=patched)
+    results = {}
+    for max_length in LENGTHS:
+        packs = _packs(eval_file, processor, max_length)
+        assert sorted(int(s["index"]) for p in packs for s in p) == reference["indices"]
+        ours = _trainer(tmp_path, model, processor, eval_dataset=packs).evaluate()
+        plain = _trainer(tmp_path, model, processor, eval_dataset=packs, prepare=False).evaluate()
+        results[max_length] = (len(list(packs)), ours, plain["eval_loss"])
+    for max_length, (n_packs, ours, plain) in results.items():
+        print(f"max_length {max_length}: {n_packs} packs, eval_loss {ours['eval_loss']:.6f} "
+              f"(reference {reference['loss']:.6f}), mean of pack means {plain:.6f}, "
+              f"token accuracy {ours['eval_token_accuracy']:.4f}")  # fmt: skip
+        assert _rel(ours["eval_loss"], reference["loss"]) < REL
+        assert _rel(ours["eval_token_accuracy"], reference["accuracy"]) < REL
+    assert results[LENGTHS[0]][0] != results[LENGTHS[1]][0]
+    assert max(_rel(plain, reference["loss"]) for _, _, plain in results.values()) > 1e-3
+
+
+def test_eval_during_and_after_training_is_token_level(tmp_path, tiny_model, processor, eval_file, reference):
+    """eval_strategy="steps" inside train(), then evaluate() and predict() after it (lr 0: the model stays put)."""
+    packs = _packs(eval_file, processor, LENGTHS[0])
+    trainer = _trainer(tmp_path, _load(tiny_model, patched=False), processor, train=packs, eval_dataset=packs,
+                       eval_strategy="steps", eval_steps=1, logging_steps=1, learning_rate=0.0)  # fmt: skip
+    trainer.train()
+    during = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    after = trainer.evaluate()["eval_loss"]
+    predicted = trainer.predict(packs).metrics["test_loss"]
+    print(f"during training {during}, after {after:.6f}, predict {predicted:.6f}, reference {reference['loss']:.6f}")
+    assert len(during) == 2
+    assert max(_rel(x, reference["loss"]) for x in [*during, after, predicted]) < REL
+
+
+def test_two_packs_per_step_and_a_second_evaluation_keep_every_row(tmp_path, tiny_model, processor, eval_file,
+                                                                   reference):  # fmt: skip
+    """per_device_eval_batch_size=2 over 7 packs, evaluated twice. Once a pass has counted the stream, accelerate's
+    gather_for_metrics cut the last step to 7 % 2 = 1 row: compute_metrics lost labels on the second evaluate()."""
+    packs = _packs(eval_file, processor, LENGTHS[0])
+    trainer = _trainer(tmp_path, _load(tiny_model, patched=False), processor, eval_dataset=packs,
+                       per_device_eval_batch_size=2,
+                       compute_metrics=lambda p: {"label_tokens": int((p.label_ids != -100).sum())})  # fmt: skip
+    for _ in range(2):
+        metrics = trainer.evaluate()
+        print(f"eval_loss {metrics['eval_loss']:.6f}, label tokens {metrics['eval_label_tokens']}")
+        assert metrics["eval_label_tokens"] == reference["n"]
+        assert _rel(metrics["eval_loss"], reference["loss"]) < REL
+
+
+@pytest.mark.parametrize("patched", PATCHED, ids=["unpatched", "patched"])
+def test_compute_metrics_gets_the_unpatched_models_predictions(tmp_path, tiny_model, processor, eval_file, patched):
+    """Logits handed to compute_metrics, at supervised positions, equal the unpatched model's on the same packs.
+    Negative control: a model with one weight moved by 1e-2 fails the same comparison."""
+    packs = _packs(eval_file, processor, LENGTHS[0])
+
+    def predictions(model):
+        seen = {}
+
+        def compute_metrics(p):
+            seen["predictions"], seen["labels"] = p.predictions, p.label_ids
+            return {}
+
+        _trainer(tmp_path, model, processor, eval_dataset=packs, compute_metrics=compute_metrics).evaluate()
+        return seen
+
+    hf_packing.revert_rmpad()
+    expected = predictions(_load(tiny_model, patched=False))
+    moved = _load(tiny_model, patched=False)
+    with torch.no_grad():
+        moved.lm_head.weight[0, 0] += 1e-2
+    control = predictions(moved)
+    got = predictions(_load(tiny_model, patched=patched))
+    labels = expected["labels"]
+    assert isinstance(got["predictions"], np.ndarray) and got["predictions"].shape == expected["predictions"].shape
+    np.testing.assert_array_equal(got["labels"], labels)
+    supervised = np.zeros_like(labels, dtype=bool)
+    supervised[:, :-1] = labels[:, 1:] != -100  # the logits at t predict label t+1
+    diff = np.abs(got["predictions"][supervised] - expected["predictions"][supervised]).max()
+    control_diff = np.abs(control["predictions"][supervised] - expected["predictions"][supervised]).max()
+    print(f"max |logit diff| at {supervised.sum()} supervised positions: {diff:.2e} (moved weight: {control_diff:.2e})")
+    assert diff < 1e-4 < control_diff
+
+
+@NEEDS_CONTRACT
+def test_loss_only_evaluation_skips_the_logits_under_the_patch(tmp_path, tiny_model, processor, eval_file, reference):
+    """Without compute_metrics the patched forward gets skip_logits=True: no (tokens × vocab) logits, and the token
+    accuracy comes from the chunked loss."""
+    model = _load(tiny_model, patched=True)
+    shapes = []
+    model.register_forward_hook(lambda m, a, out: shapes.append(getattr(out, "logits", None)))
+    metrics = _trainer(tmp_path, model, processor, eval_dataset=_packs(eval_file, processor, LENGTHS[0])).evaluate()
+    assert shapes and all(logits is None for logits in shapes)
+    assert _rel(metrics["eval_token_accuracy"], reference["accuracy"]) < REL
+
+
+def test_prepare_trainer_refuses_liger_kernel_on_a_patched_model(tmp_path):
+    """Trainer.train() would replace the patched forward with Liger's; prepare_trainer says which setting to change."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_packing.tiny import build_tiny_model
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, use_liger_kernel=True)
+    prepare_trainer(Trainer(model=build_tiny_model("qwen2_vl"), args=args, train_dataset=[]))  # unpatched: fine
+    hf_packing.apply_rmpad("qwen2_vl")
+    with pytest.raises(ValueError, match="use_liger_kernel=False"):
+        prepare_trainer(Trainer(model=build_tiny_model("qwen2_vl"), args=args, train_dataset=[]))
+
+
+# ------------------------------------------------------------------------------------------ two processes
+def _evaluated(results: list[dict], key: str) -> list[int]:
+    """The sample indices both ranks evaluated under ``key``, sorted, fillers left out."""
+    return sorted(i for r in results for batch in r["evaluated"][key] for i in batch if i >= 0)
+
+
+def test_spread_leftovers_give_every_eval_pack_to_exactly_one_rank(processor, eval_file, reference):
+    """7 packs on 2 ranks: "drop" (training's default) leaves the 7th out; "spread" gives it to rank 0 and rank 1 an
+    unsupervised 1-token filler, so both ranks still take 4 steps."""
+    for leftovers in ("drop", "spread"):
+        ranks = [list(_packs(eval_file, processor, LENGTHS[0], rank=r, world_size=2, leftovers=leftovers))
+                 for r in (0, 1)]
+        indices = sorted(int(s["index"]) for packs in ranks for p in packs for s in p if s["index"] >= 0)
+        print(f"{leftovers}: packs per rank {[len(p) for p in ranks]}, samples {len(indices)}")
+        assert len(ranks[0]) == len(ranks[1])
+        if leftovers == "drop":
+            assert len(indices) < len(reference["indices"])
+    assert indices == reference["indices"]
+    filler = ranks[1][-1]
+    assert [s["index"] for s in filler] == [-1] and (filler[0]["labels"] == -100).all()
+
+
+@pytest.mark.parametrize("patched", PATCHED, ids=["unpatched", "patched"])
+def test_two_processes_evaluate_every_pack_once_and_match_one_process(tmp_path, tiny_model, eval_file,
+                                                                       reference, patched):  # fmt: skip
+    """2 gloo processes, the eval set packed at two max_lengths: each pack is evaluated by exactly one rank, and
+    eval_loss equals the one-process token-level reference; compute_metrics gets every label once. Negative control:
+    without the eval half of `keep_rank_packs` accelerate re-shards each rank's stream (packs skipped), eval_loss
+    moves."""
+    runs = {}
+    for fix in (True, False):
+        proc, results, seconds = launch(tmp_path / f"fix{fix}", 240, helper=HELPER, model=str(tiny_model),
+                                        data=[eval_file], lengths=list(LENGTHS), keep_eval_packs=fix,
+                                        patched=patched)  # fmt: skip
+        check_ok(proc, results, seconds, f"2-process evaluation, keep_eval_packs={fix}")
+        runs[fix] = results
+    for max_length in LENGTHS:
+        key = f"eval_{max_length}"
+        (r0, r1), broken = runs[True], runs[False][0]["metrics"]
+        evaluated, unfixed = _evaluated(runs[True], key), _evaluated(runs[False], key)
+        loss = r0["metrics"][f"{key}_loss"]
+        print(f"max_length {max_length}: {len(r0['evaluated'][key])}+{len(r1['evaluated'][key])} packs, eval_loss "
+              f"{loss:.6f} (reference {reference['loss']:.6f}); without the fix {len(unfixed)} of {len(evaluated)} "
+              f"samples evaluated, eval_loss {broken[f'{key}_loss']:.6f}")  # fmt: skip
+        assert evaluated == reference["indices"]  # every sample once, over both ranks
+        assert all(r0["metrics"][k] == r1["metrics"][k] for k in r0["metrics"])
+        assert _rel(loss, reference["loss"]) < REL
+        assert _rel(r0["metrics"][f"{key}_token_accuracy"], reference["accuracy"]) < REL
+        assert r0["metrics"][f"{key}_label_tokens"] == reference["n"]  # compute_metrics got every pack's labels once
+    # At 256 each rank has 4 packs; accelerate's re-sharding keeps every second one (at 1024 each rank has one).
+    key = f"eval_{LENGTHS[0]}"
+    assert _evaluated(runs[False], key) != reference["indices"] and broken[f"{key}_label_tokens"] < reference["n"]
+    assert _rel(broken[f"{key}_loss"], reference["loss"]) > REL
