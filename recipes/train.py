@@ -7,7 +7,9 @@
 
 Pipeline: local dataset(s) → `pack_dataset` (one pack = one micro-batch, rank-equal) → `VisionCollator`
 → a model patched by `apply_rmpad` before it is loaded → Trainer, with `PackingTelemetry` in front of the
-reporting callbacks. See recipes/README.md for launch lines, FSDP2 / ZeRO notes and resuming.
+reporting callbacks. Evaluation (``eval_dataset_path`` or ``eval_split``, with ``eval_strategy``) packs the eval rows
+the same way and reports a token-level ``eval_loss`` and ``eval_token_accuracy``. See recipes/README.md for launch
+lines, FSDP2 / ZeRO notes and resuming.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,12 @@ class DataArguments:
     streaming: bool = field(default=False, metadata={"help": "read the data lazily (datasets streaming)"})
     weights: list[float] | None = field(default=None, metadata={"help": "sampling weights, one per dataset_path"})
     shuffle_seed: int | None = field(default=None, metadata={"help": "shuffle rows first (pack_dataset does not)"})
+    eval_dataset_path: list[str] = field(
+        default_factory=list, metadata={"help": "eval file(s) or saved datasets dirs, read like dataset_path"}
+    )
+    eval_split: float = field(
+        default=0.0, metadata={"help": "rows held out of each dataset_path for eval: < 1 a fraction, >= 1 a count"}
+    )
 
 
 @dataclass
@@ -149,6 +158,34 @@ def load_one(path: str, *, streaming: bool) -> Any:
     return datasets.load_dataset(_builder(first), data_files=data_files, split="train", streaming=streaming)
 
 
+def hold_out(ds: Any, split: float, *, seed: int) -> tuple[Any, Any]:
+    """(train rows, eval rows): ``split`` rows (>= 1) or a fraction (< 1, map-style only) held out of ``ds``."""
+    import datasets
+
+    if not isinstance(ds, datasets.IterableDataset):
+        parts = ds.train_test_split(test_size=split if split < 1 else int(split), seed=seed)
+        return parts["train"], parts["test"]
+    if split < 1:
+        raise ValueError(f"eval_split={split} is a fraction, which a streaming dataset has no length for; "
+                         "give a number of rows (eval_split >= 1)")  # fmt: skip
+    return ds.skip(int(split)), ds.take(int(split))
+
+
+def eval_rows(sources: dict[str, Any], data_args: DataArguments, *, seed: int) -> Any:
+    """The eval rows (``eval_dataset_path``, or ``eval_split`` rows held out of every source, which then
+    trains on the rest), concatenated; ``None`` without either."""
+    import datasets
+
+    if data_args.eval_dataset_path and data_args.eval_split:
+        raise ValueError("set eval_dataset_path or eval_split, not both")
+    parts = [load_one(path, streaming=data_args.streaming) for path in data_args.eval_dataset_path]
+    if data_args.eval_split:
+        for name, ds in sources.items():
+            sources[name], held = hold_out(ds, data_args.eval_split, seed=seed)
+            parts.append(held)
+    return None if not parts else parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
 def load_model(model_args: ModelArguments):
     """Patch (before loading, as `apply_rmpad` patches classes), load, then freeze / wrap in LoRA."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -199,17 +236,25 @@ def main(argv: list[str] | None = None) -> Trainer:
         if data_args.shuffle_seed is not None:
             ds = ds.shuffle(seed=data_args.shuffle_seed)
         sources[f"{i}:{Path(path).stem}"] = ds
-    packs = pack_dataset(
-        next(iter(sources.values())) if len(sources) == 1 else sources, processor, max_length=packing.max_length,
-        strategy=packing.strategy, max_images=packing.max_images, max_vision_patches=packing.max_vision_patches,
-        buffer_size=packing.buffer_size, seed=training_args.seed, weights=data_args.weights,
-        image_root=data_args.image_root, on_overlong=packing.on_overlong, rank=training_args.process_index,
-        world_size=training_args.world_size, batch_size=training_args.per_device_train_batch_size,
+    held_out = eval_rows(sources, data_args, seed=training_args.seed)
+    if held_out is None and training_args.eval_strategy != "no":
+        raise ValueError(f"eval_strategy={training_args.eval_strategy.value!r} needs eval data: set "
+                         "eval_dataset_path or eval_split")  # fmt: skip
+    pack = partial(
+        pack_dataset, processor=processor, max_length=packing.max_length, strategy=packing.strategy,
+        max_images=packing.max_images, max_vision_patches=packing.max_vision_patches, buffer_size=packing.buffer_size,
+        seed=training_args.seed, image_root=data_args.image_root, on_overlong=packing.on_overlong,
+        rank=training_args.process_index, world_size=training_args.world_size,
     )  # fmt: skip
+    packs = pack(next(iter(sources.values())) if len(sources) == 1 else sources, weights=data_args.weights,
+                 batch_size=training_args.per_device_train_batch_size)  # fmt: skip
+    # leftovers="spread": every eval sample is evaluated once, whatever the number of processes
+    eval_packs = None if held_out is None else pack(held_out, leftovers="spread",
+                                                    batch_size=training_args.per_device_eval_batch_size)  # fmt: skip
     model = load_model(model_args)
     collator = VisionCollator(processor, mode=packing.collator_mode, model_config=model.config)
-    trainer = Trainer(model=model, args=training_args, train_dataset=packs, data_collator=collator,
-                      processing_class=processor)
+    trainer = Trainer(model=model, args=training_args, train_dataset=packs, eval_dataset=eval_packs,
+                      data_collator=collator, processing_class=processor)  # fmt: skip
     prepare_trainer(trainer, max_length=packing.max_length)  # keep each rank's packs; telemetry before reporters
     resume = training_args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume in ("true", "True", "last") else resume)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -90,6 +91,27 @@ def test_load_one_reads_local_files_and_saved_dirs(train, tmp_path):
         train.load_one(str(tmp_path / "missing.jsonl"), streaming=False)
 
 
+def test_eval_rows_are_held_out_or_read_from_files(train, tmp_path):
+    import datasets
+
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "images": []} for i in range(10)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    split = lambda value, **kw: train.DataArguments(dataset_path=[str(tmp_path / "a.jsonl")], eval_split=value, **kw)  # noqa: E731
+    for streaming, value, n_eval in ((False, 0.2, 2), (False, 3, 3), (True, 3, 3)):
+        sources = {"0:a": train.load_one(str(tmp_path / "a.jsonl"), streaming=streaming)}
+        held = train.eval_rows(sources, split(value, streaming=streaming), seed=0)
+        trained = {r["messages"][0]["content"] for r in sources["0:a"]}
+        evaluated = {r["messages"][0]["content"] for r in held}
+        assert len(evaluated) == n_eval and len(trained) == 10 - n_eval and not trained & evaluated
+    with pytest.raises(ValueError, match="number of rows"):
+        train.eval_rows({"0:a": datasets.Dataset.from_list(rows).to_iterable_dataset()}, split(0.2), seed=0)
+    files = train.DataArguments(eval_dataset_path=[str(tmp_path / "a.jsonl")] * 2)
+    assert len(train.eval_rows({}, files, seed=0)) == 20
+    assert train.eval_rows({}, train.DataArguments(), seed=0) is None
+    with pytest.raises(ValueError, match="not both"):
+        train.eval_rows({}, split(0.2, eval_dataset_path=[str(tmp_path / "a.jsonl")]), seed=0)
+
+
 # ------------------------------------------------------------------------------------------ accelerate
 def _launch_env(path: Path) -> tuple[object, dict[str, str]]:
     """What `accelerate launch --config_file path` validates and exports, without launching."""
@@ -167,6 +189,7 @@ def _write_data(root: Path) -> Path:
 
 
 def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch):
+    """tiny_cpu: 2 training steps on 12 rows, each followed by an evaluation on the 4 rows held out."""
     try:
         from hf_packing.stream import pack_dataset  # noqa: F401
     except ImportError as error:
@@ -187,4 +210,7 @@ def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch):
     for key in ("tokens_per_s", "padding_ratio", "pack_fill", "images_per_step", "tflops_per_s_per_device"):
         assert all(f"packing/{key}" in h for h in logs), key
     assert all(0 < h["packing/pack_fill"] <= 1 for h in logs)
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]  # tiny_cpu: 4 rows held out, eval every step
+    assert len(evals) == 2 and all(math.isfinite(h["eval_loss"]) and 0 <= h["eval_token_accuracy"] <= 1 for h in evals)
+    assert trainer.eval_dataset.stats(log=False)["samples"] == 4
     assert (tmp_path / "out" / "model.safetensors").exists()
