@@ -142,3 +142,68 @@ def test_stand_in_refuses_what_the_kernel_refuses(monkeypatch):
     with pytest.raises(ValueError, match="needs fp16/bf16 attention inputs"):
         varlen_attention(q, q, q, seqs, causal=True, scale=0.25, backend="flash_attn")
     assert varlen_attention(q, q, q, seqs, causal=True, scale=0.25, backend="auto").dtype == torch.float32
+
+
+def _trainer_step_update(model, micro_batches: list[dict], accumulation: int) -> dict[str, torch.Tensor]:
+    """One SGD step of the real Trainer over ``micro_batches`` (gradient accumulation), as parameter deltas."""
+    from transformers import Trainer, TrainingArguments
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = TrainingArguments("/tmp/hf_packing_moe_step", per_device_train_batch_size=1, max_steps=1,
+                             gradient_accumulation_steps=accumulation, learning_rate=1.0, optim="sgd",
+                             lr_scheduler_type="constant", report_to=[], save_strategy="no", use_cpu=True,
+                             remove_unused_columns=False, max_grad_norm=0.0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=micro_batches, data_collator=lambda items: items[0])
+    trainer.train()
+    return {n: before[n] - p.detach() for n, p in model.named_parameters()}
+
+
+def test_moe_aux_loss_keeps_its_weight_under_accumulation_in_the_trainer():
+    """qwen3_vl_moe with the router aux loss, gradient accumulation 2: one Trainer step of the patched model equals
+    the unpatched model's (micro-batches with equal supervised counts, so mean-of-means == token-level CE). Before
+    the aux term was scaled, it weighed ``accumulation`` times too much there."""
+    from tests.test_patches import assert_equivalent
+
+    model, processor = model_and_processor("qwen3_vl_moe")
+    model.config.text_config.output_router_logits = True
+    model.config.text_config.router_aux_loss_coef = 0.5  # large enough that a wrong weight shows
+    rows = conversations(with_video=False)
+    micro = [processed_batch(processor, rows[:2]), processed_batch(processor, rows[2:])]
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in micro]
+    first = micro[0]["labels"]
+    while counts[0] > counts[1]:  # equalise the supervised counts by masking labels of the first micro-batch
+        row, col = (first != -100).nonzero()[-1].tolist()
+        first[row, col] = -100
+        counts[0] -= 1
+    while counts[1] > counts[0]:
+        second = micro[1]["labels"]
+        row, col = (second != -100).nonzero()[-1].tolist()
+        second[row, col] = -100
+        counts[1] -= 1
+    state = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    ref = _trainer_step_update(model, micro, accumulation=2)
+    model.load_state_dict(state)
+    hf_packing.apply_rmpad("qwen3_vl_moe")
+    got = _trainer_step_update(model, micro, accumulation=2)
+    norm = lambda d: {n: t for n, t in d.items() if t.norm() > 0}  # noqa: E731
+    assert_equivalent((1.0, norm(ref)), (1.0, norm(got)), "moe aux, accumulation 2")
+
+
+def test_ddp_with_an_unsupervised_micro_batch(tmp_path):
+    """DDP, find_unused_parameters=False: a rank whose micro-batch has no supervised token still gives lm_head a
+    (zero) gradient, so the next step does not fail with "Expected to have finished reduction"; a step with no
+    supervised token anywhere gives loss 0, not NaN."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "ddp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).parent / "multiproc_ddp.py"), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = json.loads(out.read_text())["losses"]
+    assert losses[0] > 0 and losses[1] == 0.0
