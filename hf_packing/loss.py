@@ -13,6 +13,7 @@ difference between ~10 GB of fp32 logits and ~1 GB for one chunk.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -41,8 +42,41 @@ def shift_labels_per_sequence(labels: torch.Tensor, cu_seqlens: torch.Tensor) ->
     return targets.index_fill(0, ends, IGNORE_INDEX)
 
 
-def _chunk_ce_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+def _chunk_ce_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
+                  correct: dict[int, torch.Tensor], chunk: int) -> torch.Tensor:
+    logits = head(hidden).float()
+    targets = targets.to(logits.device)  # device_map: the head may live on another device than the last layer
+    if chunk not in correct:  # checkpointing recomputes this chunk in backward; count it once
+        with torch.no_grad():
+            correct[chunk] = (logits.argmax(-1) == targets).sum()
+    return F.cross_entropy(logits, targets, reduction="sum")
+
+
+@dataclass
+class CrossEntropySum:
+    """What `linear_cross_entropy_sum` returns.
+
+    Attributes:
+        loss_sum (`torch.Tensor`): fp32 scalar Σ CE over supervised positions, connected to every head parameter.
+        num_supervised (`int`): supervised positions (targets != -100).
+        num_correct (`torch.Tensor`, *optional*): int64 scalar, positions whose argmax is the target (``None``
+            under Liger, whose fused kernel never exposes the logits).
+    """
+
+    loss_sum: torch.Tensor
+    num_supervised: int
+    num_correct: torch.Tensor | None
+
+
+def liger_can_read_weight(head: torch.nn.Module) -> bool:
+    """Whether Liger's fused kernel may read ``head.weight`` directly, outside the head's own forward.
+
+    Not for PEFT-wrapped heads (the adapter would be skipped), a DeepSpeed ZeRO-3 partition (``ds_id``,
+    zero-size outside the module's forward) or an FSDP2 shard (a DTensor): the kernel would read a shard.
+    """
+    weight = getattr(head, "weight", None)
+    return (type(head) is torch.nn.Linear and weight is not None and weight.numel() > 0
+            and not hasattr(weight, "ds_id") and type(weight) in (torch.Tensor, torch.nn.Parameter))
 
 
 def linear_cross_entropy_sum(
@@ -52,49 +86,67 @@ def linear_cross_entropy_sum(
     *,
     chunk_size: int | None = None,
     use_liger: bool | None = None,
-) -> tuple[torch.Tensor, int]:
+) -> CrossEntropySum:
     """Σ cross-entropy of ``head(hidden)`` against ``targets`` over supervised positions.
 
     Args:
         hidden (`torch.Tensor` of shape `(T, hidden)`): final hidden states of the flat stream.
         head (`torch.nn.Module`): the lm_head (a plain or PEFT-wrapped linear); called chunk by chunk.
-        targets (`torch.LongTensor` of shape `(T,)`): shifted targets, -100 to skip.
+        targets (`torch.LongTensor` of shape `(T,)`): shifted targets, -100 to skip; any device.
         chunk_size (`int`, *optional*): rows per chunk; default keeps one chunk's logits near 1 GiB.
         use_liger (`bool`, *optional*): use Liger-Kernel's fused kernel (default: when installed, on CUDA, and
-            ``head`` is a plain `nn.Linear`).
+            `liger_can_read_weight`).
+
+    With no supervised position the sum is ``0 * head(hidden[:1]).sum()``: zero, but every head and backbone
+    parameter stays in the graph, so DDP (``find_unused_parameters=False``) and ZeRO see the same backward
+    on every rank.
 
     Returns:
-        (`torch.Tensor` scalar fp32 sum, `int` number of supervised positions).
+        `CrossEntropySum`.
     """
+    targets = targets.to(hidden.device)
     keep = torch.nonzero(targets != IGNORE_INDEX, as_tuple=False).flatten()
     n = keep.numel()
-    if n == 0:  # keep the graph connected so every rank runs the same backward
-        return hidden.sum() * 0.0, 0
+    if n == 0:
+        zero = head(hidden[:1]).float().sum() * 0.0
+        return CrossEntropySum(zero, 0, torch.zeros((), dtype=torch.long, device=zero.device))
     hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
     liger = _compat.liger_fused_linear_cross_entropy()
     if use_liger is None:
-        use_liger = liger is not None and hidden.is_cuda and type(head) is torch.nn.Linear
+        use_liger = liger is not None and hidden.is_cuda and liger_can_read_weight(head)
     if use_liger:
         if liger is None:
             raise RuntimeError("use_liger=True but liger-kernel is not installed (pip install liger-kernel)")
-        return liger(hidden, head.weight, targets, bias=head.bias, ignore_index=IGNORE_INDEX, reduction="sum"), n
-    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
-    rows = chunk_size or max(256, CHUNK_ELEMENTS // vocab)
+        if not liger_can_read_weight(head):
+            raise ValueError(
+                "use_liger=True needs a plain, unsharded lm_head weight, but it is PEFT-wrapped or partitioned "
+                "(DeepSpeed ZeRO-3 / FSDP2); use apply_rmpad(use_liger=None) to use the chunked loss there"
+            )
+        total = liger(hidden, head.weight, targets, bias=head.bias, ignore_index=IGNORE_INDEX, reduction="sum")
+        return CrossEntropySum(total, n, None)
+    rows = chunk_size or max(256, CHUNK_ELEMENTS // (getattr(head, "out_features", None) or head.weight.shape[0]))
     total = hidden.new_zeros((), dtype=torch.float32)
+    correct: dict[int, torch.Tensor] = {}
     for start in range(0, n, rows):
         h, t = hidden[start : start + rows], targets[start : start + rows]
         if torch.is_grad_enabled() and h.requires_grad:
-            total = total + checkpoint(_chunk_ce_sum, head, h, t, use_reentrant=False)
+            total = total + checkpoint(_chunk_ce_sum, head, h, t, correct, start, use_reentrant=False)
         else:
-            total = total + _chunk_ce_sum(head, h, t)
-    return total, n
+            total = total + _chunk_ce_sum(head, h, t, correct, start)
+    return CrossEntropySum(total, n, torch.stack(list(correct.values())).sum())
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> CrossEntropySum:
+    """`linear_cross_entropy_sum` for logits that are already there: ``(T, V)`` logits, ``(T,)`` targets."""
+    return linear_cross_entropy_sum(logits, torch.nn.Identity(), targets, chunk_size=logits.shape[0] or 1,
+                                    use_liger=False)
 
 
 def reduce_loss(loss_sum: torch.Tensor, num_supervised: int, num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
     """``sum / num_items_in_batch`` when the Trainer gives the count (token-level averaging across micro-batches
-    and ranks), else the mean over this batch's supervised tokens."""
+    and ranks), else the mean over this batch's supervised tokens. A count of 0 gives 0, never NaN."""
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(loss_sum.device)
-        return loss_sum / num_items_in_batch
+            return loss_sum / num_items_in_batch.to(loss_sum.device).clamp(min=1)
+        return loss_sum / max(num_items_in_batch, 1)
     return loss_sum / max(num_supervised, 1)

@@ -50,10 +50,6 @@ class PackedSequences:
         cu[1:] = torch.tensor(seqlens, dtype=torch.int32).cumsum(0)
         return cls(cu_seqlens=cu.to(device), max_seqlen=max(seqlens, default=0), seqlens=list(seqlens))
 
-    @property
-    def total(self) -> int:
-        return sum(self.seqlens)
-
 
 def validate_attention_mask(attention_mask: torch.Tensor) -> list[int]:
     """Check a 2-D padding mask and return each row's real length.
@@ -158,6 +154,9 @@ def _host_seqlens(seqs: PackedSequences) -> list[int]:
 def reference_varlen(q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None,
                      dropout: float = 0.0) -> torch.Tensor:
     """Exact pure-torch varlen attention: SDPA on each sequence alone. Shapes as in the module docstring."""
+    if not q.dtype == k.dtype == v.dtype and not torch.is_autocast_enabled(q.device.type):
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if q.shape[1] != k.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
@@ -251,6 +250,23 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
+#: dtypes the flash and torch varlen kernels accept for q/k/v (all three equal).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def kernel_input_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype | None:
+    """The half-precision dtype a varlen kernel should receive, as transformers' own flash path picks it.
+
+    Under autocast the projections give half precision, but rotary embeddings with fp32 ``cos``/``sin`` (and
+    Qwen3-VL's q/k norms) promote q and k back to fp32, so the kernel would see ``(fp32, fp32, bf16)``:
+    the autocast dtype wins. Otherwise any half-precision input's dtype (v is the projection's own output),
+    else ``None``: fp32 inputs with autocast off, which no kernel accepts.
+    """
+    if torch.is_autocast_enabled(q.device.type):
+        return torch.get_autocast_dtype(q.device.type)
+    return next((t.dtype for t in (v, q, k) if t.dtype in KERNEL_DTYPES), None)
+
+
 def varlen_attention(q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, backend: str = "auto",
                      window: int | None = None, dropout: float = 0.0) -> torch.Tensor:
     """Attention over a flat stream that never crosses a sequence boundary.
@@ -261,8 +277,25 @@ def varlen_attention(q, k, v, seqs: PackedSequences, *, causal: bool, scale: flo
         causal (`bool`), scale (`float`): as in SDPA. window (`int`, *optional*): sliding-window size (causal only).
         backend (`str`): ``auto`` or one of `BACKENDS`.
 
+    Kernel backends get q/k/v cast to one half-precision dtype (`kernel_input_dtype`), made contiguous, with
+    int32 ``cu_seqlens`` on q's device and a Python-int ``max_seqlen``. fp32 inputs with autocast off cannot
+    run on a kernel: ``auto`` then takes the exact ``reference`` path, a forced kernel raises.
+
     Returns:
-        `torch.Tensor` of shape `(T, H_q, D)`.
+        `torch.Tensor` of shape `(T, H_q, D)`: the kernel's dtype under autocast, else q's dtype.
     """
     name = resolve_backend(backend, q.device)
-    return _BACKEND_FNS[name](q, k, v, seqs, causal=causal, scale=scale, window=window, dropout=dropout)
+    if name == "reference":
+        return reference_varlen(q, k, v, seqs, causal=causal, scale=scale, window=window, dropout=dropout)
+    dtype = kernel_input_dtype(q, k, v)
+    if dtype is None:
+        if backend != "auto":
+            raise ValueError(
+                f"attn_backend={name!r} needs fp16/bf16 attention inputs but got {q.dtype} with autocast off; load "
+                "the model in bfloat16, train with bf16=True (autocast), or use attn_backend='reference'"
+            )
+        return reference_varlen(q, k, v, seqs, causal=causal, scale=scale, window=window, dropout=dropout)
+    out_dtype = q.dtype
+    q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
+    out = _BACKEND_FNS[name](q, k, v, seqs, causal=causal, scale=scale, window=window, dropout=dropout)
+    return out if torch.is_autocast_enabled(out.device.type) else out.to(out_dtype)

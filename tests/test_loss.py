@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_packing.loss import linear_cross_entropy_sum, reduce_loss, shift_labels_per_sequence
+import pytest
+
+from hf_packing.loss import liger_can_read_weight, linear_cross_entropy_sum, reduce_loss, shift_labels_per_sequence
 
 
 def test_shift_never_crosses_a_boundary():
@@ -20,29 +22,51 @@ def test_chunked_equals_full_cross_entropy_values_and_grads():
     hidden = torch.randn(37, 16, requires_grad=True)
     targets = torch.randint(0, 50, (37,))
     targets[::3] = -100
-    total, n = linear_cross_entropy_sum(hidden, head, targets, chunk_size=5)
+    result = linear_cross_entropy_sum(hidden, head, targets, chunk_size=5)
+    total, n = result.loss_sum, result.num_supervised
     total.backward()
     got = (hidden.grad.clone(), head.weight.grad.clone())
     hidden.grad, head.weight.grad = None, None
     ref = F.cross_entropy(head(hidden), targets, reduction="sum", ignore_index=-100)
     ref.backward()
     assert n == int((targets != -100).sum())
+    keep = targets != -100
+    assert result.num_correct.item() == int((head(hidden).argmax(-1) == targets)[keep].sum())  # counted once per chunk
     torch.testing.assert_close(total, ref)
     torch.testing.assert_close(got[0], hidden.grad)
     torch.testing.assert_close(got[1], head.weight.grad)
 
 
-def test_no_supervised_tokens_keeps_graph():
+def test_no_supervised_tokens_keeps_every_parameter_in_the_graph():
+    """DDP with find_unused_parameters=False needs a gradient (zero) for the head too, not only for the backbone."""
     head = torch.nn.Linear(4, 7)
     hidden = torch.randn(3, 4, requires_grad=True)
-    total, n = linear_cross_entropy_sum(hidden, head, torch.full((3,), -100))
-    total.backward()
-    assert n == 0 and total.item() == 0 and hidden.grad is not None
+    result = linear_cross_entropy_sum(hidden, head, torch.full((3,), -100))
+    result.loss_sum.backward()
+    assert result.num_supervised == 0 and result.loss_sum.item() == 0 and hidden.grad is not None
+    assert head.weight.grad is not None and head.bias.grad is not None and not head.weight.grad.any()
 
 
 def test_reduction():
     assert reduce_loss(torch.tensor(12.0), 4, None).item() == 3.0
     assert reduce_loss(torch.tensor(12.0), 4, torch.tensor(6)).item() == 2.0
+    # a whole step without supervised tokens: 0, not 0/0 = NaN
+    assert reduce_loss(torch.tensor(0.0), 0, torch.tensor(0)).item() == 0.0
+    assert reduce_loss(torch.tensor(0.0), 0, 0).item() == 0.0
+
+
+def test_liger_never_reads_a_partitioned_weight(monkeypatch):
+    """Under DeepSpeed ZeRO-3 lm_head.weight is a 0-element shard with a ds_id outside the head's forward."""
+    from hf_packing import _compat
+
+    monkeypatch.setattr(_compat, "liger_fused_linear_cross_entropy", lambda: lambda *a, **k: pytest.fail("read"))
+    plain = torch.nn.Linear(8, 20, bias=False)
+    zero3 = torch.nn.Linear(8, 20, bias=False)
+    zero3.weight = torch.nn.Parameter(torch.empty(0))
+    zero3.weight.ds_id = 7
+    assert liger_can_read_weight(plain) and not liger_can_read_weight(zero3)
+    with pytest.raises(ValueError, match="partitioned"):
+        linear_cross_entropy_sum(torch.randn(3, 8), zero3, torch.tensor([1, 2, 3]), use_liger=True)
 
 
 def test_liger_wiring_with_stand_in(monkeypatch):
@@ -60,7 +84,7 @@ def test_liger_wiring_with_stand_in(monkeypatch):
     head = torch.nn.Linear(8, 20, bias=False)
     hidden = torch.randn(9, 8)
     targets = torch.tensor([3, -100, 5, 7, -100, 1, 2, -100, 4])
-    total, n = linear_cross_entropy_sum(hidden, head, targets, use_liger=True)
-    ref, _ = linear_cross_entropy_sum(hidden, head, targets, use_liger=False)
-    assert calls == [(torch.Size([6, 8]), "sum", -100, True)] and n == 6
-    torch.testing.assert_close(total, ref)
+    fused = linear_cross_entropy_sum(hidden, head, targets, use_liger=True)
+    ref = linear_cross_entropy_sum(hidden, head, targets, use_liger=False)
+    assert calls == [(torch.Size([6, 8]), "sum", -100, True)] and fused.num_supervised == 6
+    torch.testing.assert_close(fused.loss_sum, ref.loss_sum)

@@ -9,21 +9,17 @@ gradient-accumulation steps and ranks), and answers "flash" to the vision tower'
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any, Iterable
+from typing import Iterable
 
 from .. import _compat
 from ..varlen import BACKENDS
-from . import _attention
 from ._attention import WRAPPED_IMPLEMENTATIONS, make_dispatcher, make_vision_flash_check
-from ._forward import make_rmpad_forward
-from ._patcher import Patch, PatchSet
+from ._forward import RmpadOptions, make_rmpad_forward
+from ._patcher import Patch, PatchSet, RegistryPatch
 from ._spec import FAMILIES, FamilySpec
 
 _PATCHES = PatchSet()
 _REGISTRY_GROUP = "attention-registry"
-#: read by the patched forwards at call time; apply_rmpad updates it in place.
-OPTIONS: dict[str, Any] = {"dummy_vision": False, "loss_chunk_size": None, "use_liger": None}
 
 
 def supported_model_types() -> list[str]:
@@ -32,7 +28,10 @@ def supported_model_types() -> list[str]:
 
 
 def _normalise(model_type: str | Iterable[str] | None) -> list[str]:
-    names = supported_model_types() if model_type is None else [model_type] if isinstance(model_type, str) else list(model_type)
+    if model_type is None:
+        names = supported_model_types()
+    else:
+        names = [model_type] if isinstance(model_type, str) else list(model_type)
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         raise ValueError(f"unsupported model_type {unknown[0]!r}; hf_packing supports {supported_model_types()}")
@@ -48,31 +47,38 @@ def _check_backend(attn_backend: str) -> None:
         raise RuntimeError("attn_backend='torch_varlen' needs torch>=2.9 (torch.nn.attention.varlen); or use 'auto'")
 
 
-def _registry_patches() -> list[Patch]:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+def _registry_patches(options: RmpadOptions, families: list[FamilySpec]) -> list[Patch]:
+    from transformers import AttentionInterface
 
-    mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
-    return [Patch(mapping, key, make_dispatcher(mapping[key])) for key in WRAPPED_IMPLEMENTATIONS if key in mapping]
+    classes = [spec.classes() for spec in families]
+    text, vision = tuple(c[1] for c in classes), tuple(c[2] for c in classes)
+    registered = AttentionInterface()
+    return [
+        RegistryPatch(AttentionInterface, key, make_dispatcher(registered[key], backend=options.attn_backend,
+                                                               text_classes=text, vision_classes=vision))
+        for key in WRAPPED_IMPLEMENTATIONS if key in registered
+    ]
 
 
-def _family_patches(spec: FamilySpec) -> list[Patch]:
+def _family_patches(spec: FamilySpec, options: RmpadOptions) -> list[Patch]:
     module = spec.load()
     model_cls = getattr(module, spec.model_class)
     return [
-        Patch(model_cls, "forward", make_rmpad_forward(model_cls.__dict__["forward"], spec, OPTIONS)),
+        Patch(model_cls, "forward", make_rmpad_forward(model_cls.__dict__["forward"], spec, options)),
         Patch(model_cls, "accepts_loss_kwargs", True),
         Patch(module, "is_flash_attention_requested", make_vision_flash_check(module.is_flash_attention_requested)),
     ]
 
 
-def _sync_attention_state() -> None:
-    text, vision = set(), set()
-    for name in _PATCHES.active():
-        if name in FAMILIES:
-            _, text_cls, vision_cls = FAMILIES[name].classes()
-            text.add(text_cls)
-            vision.add(vision_cls)
-    _attention.STATE["text_classes"], _attention.STATE["vision_classes"] = tuple(text), tuple(vision)
+def _rebuild(families: list[str], options: RmpadOptions | None) -> None:
+    """Revert everything, then apply ``families`` with ``options`` bound (none: stay reverted)."""
+    for group in reversed(_PATCHES.active()):
+        _PATCHES.revert(group)
+    if options is None or not families:
+        return
+    _PATCHES.apply(_REGISTRY_GROUP, _registry_patches(options, [FAMILIES[n] for n in families]), options)
+    for name in families:
+        _PATCHES.apply(name, _family_patches(FAMILIES[name], options), options)
 
 
 def apply_rmpad(
@@ -87,36 +93,31 @@ def apply_rmpad(
 
     Args:
         model_type (`str` or list, *optional*): one or more of `supported_model_types()`; all by default.
-        attn_backend (`str`): ``"auto"`` (flash_attn → torch_varlen → reference, by device), or force one.
-        dummy_vision (`bool`): on a micro-batch without pixels, run the vision tower on a tiny dummy image with
-            zero loss weight, so FSDP / ZeRO-3 ranks issue the same collectives (a text-only rank would hang).
+        attn_backend (`str`): ``"auto"`` (flash_attn → torch_varlen → reference, by device and dtype), or force one.
+        dummy_vision (`bool`): on a micro-batch without pixels, run the vision tower on a tiny dummy image with zero
+            loss weight, so FSDP / ZeRO-3 ranks issue the same collectives (a text-only rank would hang).
         loss_chunk_size (`int`, *optional*): rows per chunk of the linear + cross-entropy.
         use_liger (`bool`, *optional*): force Liger-Kernel's fused linear cross-entropy on or off.
 
-    Applying again only updates the options. Raises at apply time, never at import, for an unsupported
-    transformers version, model type or an unavailable forced backend.
+    The options are bound into the patched functions: applying again with the same options changes nothing,
+    with other options it re-patches every applied family with them. Raises at apply time, never at import, for
+    an unsupported transformers version, model type or an unavailable forced backend.
     """
     _compat.check_transformers_version()
     names = _normalise(model_type)
     _check_backend(attn_backend)
-    _attention.STATE["backend"] = attn_backend
-    OPTIONS.update(dummy_vision=dummy_vision, loss_chunk_size=loss_chunk_size, use_liger=use_liger)
-    if not _PATCHES.is_applied(_REGISTRY_GROUP):
-        _PATCHES.apply(_REGISTRY_GROUP, _registry_patches())
-    for name in names:
-        if not _PATCHES.is_applied(name):
-            _PATCHES.apply(name, _family_patches(FAMILIES[name]))
-    _sync_attention_state()
+    options = RmpadOptions(attn_backend, dummy_vision, loss_chunk_size, use_liger)
+    applied = [n for n in _PATCHES.active() if n in FAMILIES]
+    families = applied + [n for n in names if n not in applied]
+    if families != applied or _PATCHES.options(_REGISTRY_GROUP) != options:
+        _rebuild(families, options)
 
 
 def revert_rmpad(model_type: str | Iterable[str] | None = None) -> None:
     """Undo `apply_rmpad` for the given families (all by default); the original functions come back (``is``)."""
-    for name in _normalise(model_type):
-        _PATCHES.revert(name)
-    if not any(name in FAMILIES for name in _PATCHES.active()):
-        _PATCHES.revert(_REGISTRY_GROUP)
-        _attention.STATE["backend"] = "auto"
-    _sync_attention_state()
+    names = _normalise(model_type)
+    remaining = [n for n in _PATCHES.active() if n in FAMILIES and n not in names]
+    _rebuild(remaining, _PATCHES.options(_REGISTRY_GROUP))
 
 
 def is_applied(model_type: str) -> bool:
@@ -124,7 +125,9 @@ def is_applied(model_type: str) -> bool:
     return _PATCHES.is_applied(model_type)
 
 
-apply_rmpad_qwen2_vl = partial(apply_rmpad, "qwen2_vl")
-apply_rmpad_qwen2_5_vl = partial(apply_rmpad, "qwen2_5_vl")
-apply_rmpad_qwen3_vl = partial(apply_rmpad, "qwen3_vl")
-apply_rmpad_qwen3_vl_moe = partial(apply_rmpad, "qwen3_vl_moe")
+def is_patched(model) -> bool:
+    """Whether ``model`` (or the model inside a DDP / PEFT wrapper) runs the padding-free forward."""
+    model = getattr(model, "module", model)  # DDP / accelerate wrappers
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
+    return hasattr(type(model).forward, "hf_packing_original")

@@ -1,17 +1,18 @@
 """Route Qwen-VL attention through the varlen backends via transformers' attention-function registry.
 
 transformers calls ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`` in every
-attention module. The patch wraps the registered entries (sdpa, flash_attention_*): a call from a patched
-text-attention class that carries the packed boundaries (``hf_packing_seqs``) runs causal varlen
-attention; a call from a patched vision-attention class with ``cu_seq_lens_q`` runs non-causal varlen
-attention; every other call goes to the original function untouched. So other models, generation and
-unpatched forwards behave exactly as before, and nothing depends on a config switch that gradient
-checkpointing's recomputation could miss.
+attention module. The patch registers wrappers (``AttentionInterface.register``) around the sdpa and
+flash_attention_* entries: a call from a patched text-attention class that carries the packed boundaries
+(``hf_packing_seqs``) runs causal varlen attention; a call from a patched vision-attention class with
+``cu_seq_lens_q`` runs non-causal varlen attention; every other call goes to the original function
+untouched. So other models, generation and unpatched forwards behave exactly as before, and nothing
+depends on a config switch that gradient checkpointing's recomputation could miss.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import weakref
+from typing import Callable
 
 import torch
 
@@ -22,36 +23,44 @@ PACKED_KWARG = "hf_packing_seqs"
 #: registry keys the patch wraps; a model on another implementation (eager, flex) is refused at forward time.
 WRAPPED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
-#: set by apply_rmpad: the backend name and the attention classes that take the varlen route.
-STATE: dict[str, Any] = {"backend": "auto", "text_classes": (), "vision_classes": ()}
-
 
 def _to_flat(t: torch.Tensor) -> torch.Tensor:
     """(1, H, T, D) → (T, H, D)."""
     return t.squeeze(0).transpose(0, 1)
 
 
-def _vision_seqs(cu_seqlens: torch.Tensor, max_seqlen: int | None) -> PackedSequences:
-    # All vision blocks share one cu_seqlens tensor; cache the host-side view on it to sync once per forward.
-    cached = getattr(cu_seqlens, "_hf_packing_seqs", None)
-    if cached is None:
-        seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-        cached = PackedSequences(cu_seqlens.to(torch.int32), max(seqlens, default=0), seqlens)
-        cu_seqlens._hf_packing_seqs = cached
-    if max_seqlen is not None:
-        cached.max_seqlen = int(max_seqlen)
-    return cached
+class _VisionBoundaries:
+    """Host-side `PackedSequences` of the vision tower's ``cu_seqlens``, read once per tensor.
+
+    Every block of a vision tower passes the same ``cu_seqlens`` tensor (Qwen2.5-VL alternates two); keyed
+    weakly by that tensor, the host copy is made once per forward instead of once per block.
+    """
+
+    def __init__(self) -> None:
+        # id -> (weak reference, boundaries); tensors compare elementwise, so they cannot be dict keys themselves
+        self._seen: dict[int, tuple[weakref.ref, PackedSequences]] = {}
+
+    def __call__(self, cu_seqlens: torch.Tensor, max_seqlen: int | None) -> PackedSequences:
+        ref, seqs = self._seen.get(id(cu_seqlens), (None, None))
+        if ref is None or ref() is not cu_seqlens:
+            self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
+            seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            seqs = PackedSequences(cu_seqlens.to(torch.int32), max(seqlens, default=0), seqlens)
+            self._seen[id(cu_seqlens)] = (weakref.ref(cu_seqlens), seqs)
+        return seqs if max_seqlen is None else PackedSequences(seqs.cu_seqlens, int(max_seqlen), seqs.seqlens)
 
 
-def make_dispatcher(original: Callable) -> Callable:
+def make_dispatcher(original: Callable, *, backend: str, text_classes: tuple[type, ...],
+                    vision_classes: tuple[type, ...]) -> Callable:
     """Wrap a registered attention function with the varlen route described in the module docstring."""
+    vision_boundaries = _VisionBoundaries()
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         seqs = kwargs.pop(PACKED_KWARG, None)
         # isinstance, not type(): FSDP2's fully_shard swaps a wrapped module's class for a generated subclass.
-        if kwargs.get("cu_seq_lens_q") is not None and isinstance(module, STATE["vision_classes"]):
-            seqs, causal = _vision_seqs(kwargs["cu_seq_lens_q"], kwargs.get("max_length_q")), False
-        elif seqs is not None and isinstance(module, STATE["text_classes"]):
+        if kwargs.get("cu_seq_lens_q") is not None and isinstance(module, vision_classes):
+            seqs, causal = vision_boundaries(kwargs["cu_seq_lens_q"], kwargs.get("max_length_q")), False
+        elif seqs is not None and isinstance(module, text_classes):
             causal = True
         else:
             return original(module, query, key, value, attention_mask, **kwargs)
@@ -59,7 +68,7 @@ def make_dispatcher(original: Callable) -> Callable:
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         out = varlen_attention(
             _to_flat(query), _to_flat(key), _to_flat(value), seqs,
-            causal=causal, scale=scale, backend=STATE["backend"],
+            causal=causal, scale=scale, backend=backend,
             window=kwargs.get("sliding_window"), dropout=kwargs.get("dropout", 0.0) or 0.0,
         )
         return out.unsqueeze(0), None
@@ -84,7 +93,8 @@ def make_vision_flash_check(original: Callable) -> Callable:
             and getattr(config, "_attn_implementation", None) in WRAPPED_IMPLEMENTATIONS
         ):
             return True
-        return original(config=config, requested_attention_implementation=requested_attention_implementation, version=version)
+        return original(config=config, requested_attention_implementation=requested_attention_implementation,
+                        version=version)
 
     is_flash_attention_requested.__wrapped__ = original
     return is_flash_attention_requested

@@ -42,10 +42,6 @@ class Patch:
         else:
             setattr(self.owner, self.name, value)
 
-    @property
-    def applied(self) -> bool:
-        return self.original is not _MISSING or self._get() is self.replacement
-
     def apply(self) -> None:
         if self._get() is self.replacement:
             return
@@ -58,11 +54,22 @@ class Patch:
         self.original = _MISSING
 
 
+class RegistryPatch(Patch):
+    """Register ``replacement`` under ``name`` in a transformers ``GeneralInterface`` (e.g. ``AttentionInterface``)
+    through its public ``register``; revert registers the original again."""
+
+    def _get(self) -> Any:
+        return self.owner().get(self.name, _MISSING)
+
+    def _set(self, value: Any) -> None:
+        self.owner.register(self.name, value)
+
+
 class PatchSet:
-    """Named groups of patches, applied and reverted as units."""
+    """Named groups of patches, applied and reverted as units, each with the options it was built with."""
 
     def __init__(self) -> None:
-        self._groups: dict[str, list[Patch]] = {}
+        self._groups: dict[str, tuple[list[Patch], Any]] = {}
 
     def active(self) -> list[str]:
         return list(self._groups)
@@ -70,13 +77,17 @@ class PatchSet:
     def is_applied(self, group: str) -> bool:
         return group in self._groups
 
-    def apply(self, group: str, patches: list[Patch]) -> None:
+    def options(self, group: str) -> Any:
+        return self._groups[group][1] if group in self._groups else None
+
+    def apply(self, group: str, patches: list[Patch], options: Any = None) -> None:
         if group in self._groups:
             return
         for patch in patches:
             patch.apply()
-        self._groups[group] = patches
+        self._groups[group] = (patches, options)
 
     def revert(self, group: str) -> None:
-        for patch in reversed(self._groups.pop(group, [])):
+        patches, _ = self._groups.pop(group, ([], None))
+        for patch in reversed(patches):
             patch.revert()

@@ -1,0 +1,233 @@
+"""From the caller's batch to one flat row of real tokens: boundaries, indices and M-RoPE positions.
+
+Every input format transformers accepts is taken, and two sequences are never merged silently::
+
+    padded rows + attention_mask          one row packed by position ids (DataCollatorWithFlattening,
+    (right or left padding)               TRL padding_free), no attention_mask, optional cu_seq_lens_q
+    a a a 0 0   mask 1 1 1 0 0            a a a b b b b b c
+    b b b b b        1 1 1 1 1            position_ids 0 1 2 0 1 2 3 4 0  (2-D, or row 0 of the 4-row form)
+              │                                     │
+              └──────────────► flat ids a a a b b b b b (c)   cu_seqlens [0, 3, 8, (9)]
+
+Boundaries come from, in order: explicit ``cu_seqlens`` / ``cu_seq_lens_q`` (our collator, transformers'
+flash kwargs); the text-position row when position ids restart inside a row that has no padding (a
+restart is a step other than +1, transformers' ``find_packed_sequence_indices`` rule); else one sequence
+per row of the attention mask. A row that has an attention mask *and* restarting position ids, or
+restarting 3-row M-RoPE positions without a text row, is ambiguous and raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from ..varlen import PackedSequences, validate_attention_mask
+from ._spec import FamilySpec
+
+logger = logging.get_logger("hf_packing")
+
+
+@dataclass
+class FlatBatch:
+    """A batch as one flat row of its ``T`` real tokens.
+
+    Attributes:
+        input_ids (`torch.LongTensor` of shape `(1, T)`), position_ids (`(3, 1, T)` M-RoPE positions),
+        mm_token_type_ids (`(1, T)`, *optional*).
+        indices (`torch.LongTensor` of shape `(T,)`): where each token sits in the caller's ``B * L`` grid.
+        seqs (`PackedSequences`): the sequence boundaries inside the flat row.
+        batch, length (`int`): the caller's ``(B, L)``, to re-pad outputs.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    mm_token_type_ids: torch.Tensor | None
+    indices: torch.Tensor
+    seqs: PackedSequences
+    batch: int
+    length: int
+
+    def flatten(self, padded: torch.Tensor) -> torch.Tensor:
+        """``(B, L, ...)`` → ``(T, ...)`` for any per-token tensor of the caller (labels, shift_labels)."""
+        return padded.flatten(0, 1).index_select(0, self.indices.to(padded.device))
+
+    def repad(self, flat: torch.Tensor) -> torch.Tensor:
+        """``(T, ...)`` or ``(1, T, ...)`` → ``(B, L, ...)``, zeros at padded positions."""
+        flat = flat.squeeze(0) if flat.dim() > 1 and flat.shape[0] == 1 else flat
+        out = flat.new_zeros((self.batch * self.length, *flat.shape[1:]))
+        out.index_copy_(0, self.indices.to(flat.device), flat)
+        return out.view(self.batch, self.length, *flat.shape[1:])
+
+
+def mm_token_types(input_ids: torch.Tensor, config) -> torch.Tensor:
+    """0 for text, 1 for image placeholders, 2 for video placeholders; shape and device of ``input_ids``."""
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    types = types.masked_fill(input_ids == config.image_token_id, 1)
+    return types.masked_fill(input_ids == config.video_token_id, 2)
+
+
+def _text_positions(position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Split the caller's position ids into (text row ``(B, L)`` or None, M-RoPE rows ``(3, B, L)`` or None)."""
+    if position_ids is None:
+        return None, None
+    if position_ids.dim() == 2:
+        return position_ids, position_ids.unsqueeze(0).expand(3, -1, -1)
+    if position_ids.shape[0] == 4:  # transformers' packed form: text row + 3 M-RoPE rows
+        return position_ids[0], position_ids[1:]
+    return None, position_ids
+
+
+def _row_restarts(text_positions: torch.Tensor) -> torch.Tensor:
+    """``(B, L)`` bool: True where a new sequence starts after the row's first token (a step other than +1)."""
+    step = text_positions[:, 1:] - text_positions[:, :-1]
+    return torch.nn.functional.pad(step != 1, (1, 0), value=False)
+
+
+def sequence_boundaries(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                        position_ids: torch.Tensor | None,
+                        cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, PackedSequences]:
+    """The flat indices of real tokens and the sequences they form (see the module docstring).
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(B, L)`).
+        attention_mask (`torch.Tensor` of shape `(B, L)`, *optional*): 0/1 padding mask.
+        position_ids (`torch.LongTensor` of shape `(B, L)`, `(3, B, L)` or `(4, B, L)`, *optional*).
+        cu_seqlens (`torch.IntTensor` of shape `(n + 1,)`, *optional*): explicit boundaries over the real tokens.
+
+    Returns:
+        indices (`torch.LongTensor` of shape `(T,)`) and `PackedSequences` (one host sync).
+
+    Raises:
+        ValueError: for a malformed mask, boundaries that do not cover the real tokens, or ambiguous input.
+    """
+    if attention_mask is None:
+        lengths = [input_ids.shape[1]] * input_ids.shape[0]
+        indices = torch.arange(input_ids.numel(), device=input_ids.device)
+    else:
+        lengths = validate_attention_mask(attention_mask)
+        indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    if cu_seqlens is not None:
+        seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        if sum(seqlens) != indices.numel():
+            raise ValueError(
+                f"cu_seqlens covers {sum(seqlens)} tokens but the batch has {indices.numel()} real tokens. Under "
+                "the HF Trainer this means accelerate sliced the batch (dispatch_batches): call "
+                "hf_packing.prepare_trainer(trainer), or set accelerator_config={'dispatch_batches': False}"
+            )
+        cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32).contiguous()
+        return indices, PackedSequences(cu_seqlens=cu, max_seqlen=max(seqlens, default=0), seqlens=seqlens)
+    text, mrope = _text_positions(position_ids)
+    if text is None and mrope is not None and attention_mask is None:
+        if bool((mrope[0, :, 1:] < mrope[0, :, :-1]).any()):
+            raise ValueError(
+                "position_ids restart inside a row, but as 3 M-RoPE rows without a text-position row the sequence "
+                "boundaries cannot be told from image positions. Pass transformers' packed form (4 rows: text "
+                "positions first), or cu_seq_lens_q / cu_seqlens"
+            )
+        return indices, PackedSequences.from_seqlens(lengths, device=input_ids.device)
+    if text is None:
+        return indices, PackedSequences.from_seqlens(lengths, device=input_ids.device)
+    restarts = _row_restarts(text.to(input_ids.device))
+    if attention_mask is not None:
+        restarts = restarts & attention_mask.bool() & attention_mask.bool().roll(1, dims=1)
+    where = torch.nonzero(restarts, as_tuple=False).tolist()
+    if where and attention_mask is not None:
+        row, col = where[0]
+        raise ValueError(
+            f"position_ids restart at row {row}, column {col}, but attention_mask marks the row as one sequence. "
+            "For packed rows drop the attention_mask (transformers' padding-free format) or pass cu_seq_lens_q; "
+            "for padded rows pass position_ids that count up inside each row"
+        )
+    seqlens: list[int] = []
+    cuts: dict[int, list[int]] = {}
+    for row, col in where:
+        cuts.setdefault(row, []).append(col)
+    for row, length in enumerate(lengths):
+        edges = [0, *cuts.get(row, []), length]
+        seqlens += [b - a for a, b in zip(edges[:-1], edges[1:])]
+    return indices, PackedSequences.from_seqlens(seqlens, device=input_ids.device)
+
+
+def rope_positions(model, spec: FamilySpec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   mm_token_type_ids: torch.Tensor | None, image_grid_thw, video_grid_thw,
+                   extra: dict[str, Any]) -> torch.Tensor:
+    """M-RoPE positions ``(3, B, L)`` of rows holding one sequence each, from the family's own ``get_rope_index``.
+
+    Without images or videos every row's positions are ``0..n-1`` on all three rows, which is what
+    ``get_rope_index`` gives too; computing them directly skips its Python loop over rows.
+    """
+    if image_grid_thw is None and video_grid_thw is None:
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+        return (mask.cumsum(-1) - 1).clamp(min=0).unsqueeze(0).expand(3, -1, -1)
+    if mm_token_type_ids is None:
+        logger.warning_once(
+            "batch has images/videos but no mm_token_type_ids; deriving them from input_ids. (The unpatched model "
+            "would silently fall back to 1-D positions here; pass the processor's mm_token_type_ids.)"
+        )
+        mm_token_type_ids = mm_token_types(input_ids, model.config)
+    position_ids, _ = model.model.get_rope_index(
+        input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw, attention_mask=attention_mask,
+        **{k: v for k, v in extra.items() if v is not None},
+    )
+    return position_ids
+
+
+def flatten_batch(model, spec: FamilySpec, *, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  position_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                  mm_token_type_ids: torch.Tensor | None, image_grid_thw, video_grid_thw,
+                  extra: dict[str, Any]) -> FlatBatch:
+    """Remove the padding once: the caller's ``(B, L)`` batch as a `FlatBatch` (checks placeholders per sequence)."""
+    batch, length = input_ids.shape
+    indices, seqs = sequence_boundaries(input_ids, attention_mask, position_ids, cu_seqlens)
+    flat_ids = input_ids.flatten().index_select(0, indices).unsqueeze(0)
+    if image_grid_thw is not None or video_grid_thw is not None:
+        check_placeholders(model.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
+    _, mrope = _text_positions(position_ids)
+    if mrope is None:
+        if len(seqs.seqlens) != batch:
+            raise ValueError(
+                f"the batch packs {len(seqs.seqlens)} sequences into {batch} rows; packed rows need their "
+                "per-sample position_ids (VisionCollator computes them)"
+            )
+        mrope = rope_positions(model, spec, input_ids, attention_mask, mm_token_type_ids, image_grid_thw,
+                               video_grid_thw, extra)
+    flat_pos = mrope.flatten(1).index_select(1, indices.to(mrope.device)).unsqueeze(1)
+    flat_types = None if mm_token_type_ids is None else mm_token_type_ids.flatten().index_select(0, indices)[None]
+    return FlatBatch(flat_ids, flat_pos, flat_types, indices, seqs, batch, length)
+
+
+def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw,
+                       video_grid_thw) -> None:
+    """Each sequence's image/video placeholder count must equal the tokens of the items (in order) that belong
+    to it; otherwise features would land in the wrong sample. Raises `ValueError` with transformers' wording
+    ("Image features and image tokens do not match") plus the sequence it concerns."""
+    seq_id = torch.repeat_interleave(
+        torch.arange(len(seqs.seqlens), device=flat_ids.device), torch.tensor(seqs.seqlens, device=flat_ids.device)
+    )
+    counts = torch.zeros(2, len(seqs.seqlens), dtype=torch.long, device=flat_ids.device)
+    counts[0].index_add_(0, seq_id, (flat_ids == config.image_token_id).long())
+    counts[1].index_add_(0, seq_id, (flat_ids == config.video_token_id).long())
+    merge = config.vision_config.spatial_merge_size
+    for kind, row_counts, grid in zip(("image", "video"), counts.tolist(), (image_grid_thw, video_grid_thw)):
+        per_item = [] if grid is None else [t * h * w // merge**2 for t, h, w in grid.tolist()]
+        wording = f"{kind.capitalize()} features and {kind} tokens do not match, " \
+                  f"tokens: {sum(row_counts)}, features: {sum(per_item)}"
+        item = 0
+        for row, count in enumerate(row_counts):
+            taken = 0
+            while taken < count and item < len(per_item):
+                taken += per_item[item]
+                item += 1
+            if taken != count:
+                raise ValueError(
+                    f"{wording} (hf_packing: sequence {row} has {count} {kind} placeholder tokens but "
+                    f"{kind}_grid_thw gives {taken} for the {kind}s assigned to it; re-run the processor on this "
+                    "sample)"
+                )
+        if item != len(per_item):
+            raise ValueError(f"{wording} (hf_packing: {kind}_grid_thw lists {len(per_item)} {kind}s but the "
+                             f"placeholders cover only {item})")

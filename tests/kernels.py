@@ -1,0 +1,109 @@
+"""Strict CPU stand-ins for the GPU varlen kernels: they refuse every input the real kernel refuses.
+
+What they check is what ``flash_api.cpp`` (FA2 ``mha_varlen_fwd``) and torch's ``varlen_attn`` (cuDNN / flash)
+check before computing: q/k/v in one of fp16/bf16 and all equal, ``(total, heads, head_dim)`` layout with a
+contiguous last dimension, head_dim <= 256 and equal for q/k/v, heads of q a multiple of heads of k/v,
+``cu_seqlens`` int32, contiguous, 1-D, on q's device, starting at 0 and ending at the token count, and
+``max_seqlen`` a Python int no smaller than the longest sequence. Then they compute with the exact reference
+(in fp32, output in q's dtype, as the kernels accumulate in fp32).
+
+`install_kernel(monkeypatch, "flash_attn" | "torch_varlen")` puts one in place of the real package, makes
+the backend count as available on CPU, and returns the list of ``causal`` flags of the calls it received.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from hf_packing import _compat, varlen
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+class KernelContractError(RuntimeError):
+    """An input the real kernel would refuse."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise KernelContractError(message)
+
+
+def check_contract(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
+    """Raise `KernelContractError` for any input the real varlen kernels refuse."""
+    _require(q.dtype in HALF, f"FlashAttention only support fp16 and bf16 data type (q is {q.dtype})")
+    _require(k.dtype == q.dtype and v.dtype == q.dtype, f"query and key/value must have the same dtype "
+                                                         f"({q.dtype}, {k.dtype}, {v.dtype})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _require(t.dim() == 3, f"{name} must be (total, heads, head_dim), got shape {tuple(t.shape)}")
+        _require(t.stride(-1) == 1, f"{name} must have contiguous last dimension")
+    _require(q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] <= 256, "head_dim must match and be <= 256")
+    _require(q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1],
+             "Number of heads in key/value must divide number of heads in query")
+    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
+        _require(isinstance(cu, torch.Tensor) and cu.dtype == torch.int32, f"{name} must have dtype int32")
+        _require(cu.dim() == 1 and cu.is_contiguous(), f"{name} must be a contiguous 1-D tensor")
+        _require(cu.device == q.device, f"{name} must be on the device of q")
+        _require(int(cu[0]) == 0 and int(cu[-1]) == total and bool((cu[1:] >= cu[:-1]).all()),
+                 f"{name} must start at 0, be non-decreasing and end at the token count {total}")
+    for name, value, cu in (("max_seqlen_q", max_q, cu_q), ("max_seqlen_k", max_k, cu_k)):
+        _require(type(value) is int, f"{name} must be a Python int, got {type(value).__name__}")
+        _require(value >= int((cu[1:] - cu[:-1]).max()), f"{name}={value} is smaller than the longest sequence")
+
+
+def _compute(q, k, v, cu, max_seqlen, causal: bool, scale: float | None, window: tuple[int, int]) -> torch.Tensor:
+    left = window[0]
+    seqs = varlen.PackedSequences(cu, max_seqlen)
+    out = varlen.reference_varlen(q.float(), k.float(), v.float(), seqs, causal=causal,
+                                  scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                  window=None if left < 0 else left + 1)
+    return out.to(q.dtype)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """FA2's ``flash_attn_varlen_func`` signature and checks."""
+    check_contract(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _require(dropout_p == 0.0, "the stand-in has no dropout")
+    _require(not causal or window_size[1] in (0, -1), "causal needs window_size[1] in (0, -1)")
+    return _compute(q, k, v, cu_seqlens_q, max_seqlen_q, causal, softmax_scale, window_size)
+
+
+def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """torch 2.15's ``torch.nn.attention.varlen.varlen_attn`` signature and checks."""
+    check_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+    _require(enable_gqa or query.shape[1] == key.shape[1], "GQA inputs need enable_gqa=True")
+    causal = tuple(window_size) == (-1, 0) or (window_size[1] == 0 and window_size[0] >= 0)
+    return _compute(query, key, value, cu_seq_q, max_q, causal, scale, window_size)
+
+
+def install_kernel(monkeypatch, name: str) -> list[bool]:
+    """Use the strict stand-in for backend ``name`` on CPU; returns the ``causal`` flag of every call it gets."""
+    calls: list[bool] = []
+
+    def recording(fn):
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            calls.append(bool(kwargs.get("causal")) if name == "flash_attn" else kwargs.get("window_size") == (-1, 0))
+            return out
+
+        return wrapper
+
+    if name == "flash_attn":
+        module = ModuleType("flash_attn")
+        module.flash_attn_varlen_func = recording(flash_attn_varlen_func)
+        monkeypatch.setattr(_compat, "flash_attn_varlen_module", lambda: module)
+    elif name == "torch_varlen":
+        monkeypatch.setattr(_compat, "torch_varlen_attn", lambda: recording(varlen_attn))
+        monkeypatch.setattr(_compat, "torch_varlen_params",
+                            lambda: frozenset(varlen_attn.__code__.co_varnames[: varlen_attn.__code__.co_argcount
+                                                                               + varlen_attn.__code__.co_kwonlyargcount]))
+    else:
+        raise ValueError(name)
+    real = varlen.backend_available
+    monkeypatch.setattr(varlen, "backend_available", lambda backend, device: backend == name or real(backend, device))
+    return calls

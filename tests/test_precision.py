@@ -1,0 +1,209 @@
+"""The kernel path in the precision setups users run, through the strict kernel stand-ins (tests/kernels.py).
+
+Tolerance rule (STYLE.md): the patched low-precision run's error against the fp32 unpatched run must be at most
+2x the unpatched low-precision run's own error. Both numbers are printed before asserting. Setups:
+
+- bf16 weights (no autocast);
+- fp32 weights under ``torch.autocast("cpu", dtype=torch.bfloat16)``: the recipes' ``dtype: float32`` +
+  ``bf16: true``. Rotary embeddings promote q/k back to fp32 there; the kernel must still get one half dtype;
+- LoRA (PEFT) and gradient checkpointing under autocast.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+import hf_packing
+from hf_packing.varlen import varlen_attention
+from tests.conftest import MODEL_TYPES, conversations, processed_batch
+from tests.kernels import KernelContractError, install_kernel
+from tests.test_patches import model_and_processor
+
+KERNELS = ("flash_attn", "torch_varlen")
+
+
+def _run(model, batch, autocast: bool) -> tuple[float, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
+        out = model(**batch)
+    out.loss.backward()
+    grads = [p.grad.float().flatten() for _, p in sorted(model.named_parameters()) if p.grad is not None]
+    return out.loss.float().item(), torch.cat(grads)
+
+
+def _errors(ref, run) -> tuple[float, float]:
+    (ref_loss, ref_grads), (loss, grads) = ref, run
+    return abs(loss - ref_loss) / abs(ref_loss), ((grads - ref_grads).norm() / ref_grads.norm()).item()
+
+
+def assert_within_2x(ref, plain, patched, label: str) -> None:
+    plain_err, patched_err = _errors(ref, plain), _errors(ref, patched)
+    print(f"{label}: loss err plain {plain_err[0]:.2e} patched {patched_err[0]:.2e}; "
+          f"grad err plain {plain_err[1]:.2e} patched {patched_err[1]:.2e}")
+    assert patched_err[0] <= 2 * plain_err[0] + 1e-3, "loss"
+    assert patched_err[1] <= 2 * plain_err[1], "grads"
+
+
+def _three_runs(model_type: str, monkeypatch, kernel: str, *, autocast: bool, rows=None, prepare=None):
+    """(fp32 unpatched, low-precision unpatched, low-precision patched through the stand-in), and the kernel calls."""
+    model, processor = model_and_processor(model_type)
+    model = prepare(model) if prepare else model
+    batch = processed_batch(processor, rows)
+    ref = _run(model, batch, autocast=False)
+    if not autocast:
+        model = model.to(torch.bfloat16)
+    plain = _run(model, batch, autocast)
+    calls = install_kernel(monkeypatch, kernel)
+    hf_packing.apply_rmpad(model_type, attn_backend=kernel)
+    return ref, plain, _run(model, batch, autocast), calls, model
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_bf16_weights_through_strict_kernel(model_type, kernel, monkeypatch):
+    ref, plain, patched, calls, model = _three_runs(model_type, monkeypatch, kernel, autocast=False)
+    assert_within_2x(ref, plain, patched, f"{model_type}/{kernel}/bf16")
+    n_text, n_vision = model.config.text_config.num_hidden_layers, model.config.vision_config.depth
+    # one tower call for the images, one for the video: every vision block of both took the kernel too
+    assert calls.count(True) == n_text and calls.count(False) == 2 * n_vision
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_fp32_weights_under_autocast_through_strict_kernel(model_type, kernel, monkeypatch):
+    ref, plain, patched, calls, _ = _three_runs(model_type, monkeypatch, kernel, autocast=True)
+    assert_within_2x(ref, plain, patched, f"{model_type}/{kernel}/fp32+autocast")
+    assert True in calls and False in calls
+
+
+def test_lora_under_autocast_through_strict_kernel(monkeypatch):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ref, plain, patched, calls, _ = _three_runs(
+        "qwen2_5_vl", monkeypatch, "flash_attn", autocast=True, rows=conversations(with_video=False),
+        prepare=lambda m: peft.get_peft_model(m, config))
+    assert_within_2x(ref, plain, patched, "qwen2_5_vl/lora/fp32+autocast")
+    assert calls
+
+
+def test_gradient_checkpointing_under_autocast_through_strict_kernel(monkeypatch):
+    def checkpointed(model):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.train()
+
+    ref, plain, patched, calls, _ = _three_runs("qwen3_vl", monkeypatch, "torch_varlen", autocast=True,
+                                                rows=conversations(with_video=False), prepare=checkpointed)
+    assert_within_2x(ref, plain, patched, "qwen3_vl/grad-ckpt/fp32+autocast")
+    assert calls.count(True) >= 2 * 2  # forward and recomputation both went through the kernel
+
+
+def test_negative_control_merged_sequences_exceed_the_tolerance(monkeypatch):
+    """The same check fails when two samples attend to each other (rows 0 and 1 given as one sequence)."""
+    model, processor = model_and_processor("qwen2_5_vl")
+    batch = processed_batch(processor, conversations(with_video=False))
+    positions, _ = model.model.get_rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                                              image_grid_thw=batch["image_grid_thw"],
+                                              attention_mask=batch["attention_mask"])
+    lengths = batch["attention_mask"].sum(1).tolist()
+    merged = torch.tensor([0, lengths[0] + lengths[1], *torch.tensor(lengths).cumsum(0)[2:].tolist()],
+                          dtype=torch.int32)
+    ref = _run(model, batch, autocast=False)
+    plain = _run(model, batch, autocast=True)
+    install_kernel(monkeypatch, "flash_attn")
+    hf_packing.apply_rmpad("qwen2_5_vl", attn_backend="flash_attn")
+    broken = _run(model, batch | {"position_ids": positions, "cu_seqlens": merged}, autocast=True)
+    with pytest.raises(AssertionError):
+        assert_within_2x(ref, plain, broken, "merged rows 0+1")
+
+
+def test_stand_in_refuses_what_the_kernel_refuses(monkeypatch):
+    install_kernel(monkeypatch, "flash_attn")
+    q = torch.randn(5, 4, 16)
+    seqs = hf_packing.varlen.PackedSequences.from_seqlens([2, 3])
+    with pytest.raises(KernelContractError, match="fp16 and bf16"):
+        from tests import kernels
+
+        kernels.flash_attn_varlen_func(q, q, q, seqs.cu_seqlens, seqs.cu_seqlens, 3, 3)
+    with pytest.raises(KernelContractError, match="int32"):
+        h = q.bfloat16()
+        kernels.flash_attn_varlen_func(h, h, h, seqs.cu_seqlens.long(), seqs.cu_seqlens, 3, 3)
+    with pytest.raises(KernelContractError, match="Python int"):
+        kernels.flash_attn_varlen_func(h, h, h, seqs.cu_seqlens, seqs.cu_seqlens, torch.tensor(3), 3)
+    with pytest.raises(KernelContractError, match="contiguous last dimension"):
+        t = torch.randn(5, 16, 4).bfloat16().transpose(1, 2)
+        kernels.flash_attn_varlen_func(t, t, t, seqs.cu_seqlens, seqs.cu_seqlens, 3, 3)
+    # the library's own call casts mixed (fp32, fp32, bf16) inputs under autocast, as transformers' flash path does
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = varlen_attention(q, q, q.bfloat16(), seqs, causal=True, scale=0.25, backend="flash_attn")
+    assert out.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="needs fp16/bf16 attention inputs"):
+        varlen_attention(q, q, q, seqs, causal=True, scale=0.25, backend="flash_attn")
+    assert varlen_attention(q, q, q, seqs, causal=True, scale=0.25, backend="auto").dtype == torch.float32
+
+
+def _trainer_step_update(model, micro_batches: list[dict], accumulation: int) -> dict[str, torch.Tensor]:
+    """One SGD step of the real Trainer over ``micro_batches`` (gradient accumulation), as parameter deltas."""
+    from transformers import Trainer, TrainingArguments
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = TrainingArguments("/tmp/hf_packing_moe_step", per_device_train_batch_size=1, max_steps=1,
+                             gradient_accumulation_steps=accumulation, learning_rate=1.0, optim="sgd",
+                             lr_scheduler_type="constant", report_to=[], save_strategy="no", use_cpu=True,
+                             remove_unused_columns=False, max_grad_norm=0.0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=micro_batches, data_collator=lambda items: items[0])
+    trainer.train()
+    return {n: before[n] - p.detach() for n, p in model.named_parameters()}
+
+
+def test_moe_aux_loss_keeps_its_weight_under_accumulation_in_the_trainer():
+    """qwen3_vl_moe with the router aux loss, gradient accumulation 2: one Trainer step of the patched model equals
+    the unpatched model's (micro-batches with equal supervised counts, so mean-of-means == token-level CE). Before
+    the aux term was scaled, it weighed ``accumulation`` times too much there."""
+    from tests.test_patches import assert_equivalent
+
+    model, processor = model_and_processor("qwen3_vl_moe")
+    model.config.text_config.output_router_logits = True
+    model.config.text_config.router_aux_loss_coef = 0.5  # large enough that a wrong weight shows
+    rows = conversations(with_video=False)
+    micro = [processed_batch(processor, rows[:2]), processed_batch(processor, rows[2:])]
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in micro]
+    first = micro[0]["labels"]
+    while counts[0] > counts[1]:  # equalise the supervised counts by masking labels of the first micro-batch
+        row, col = (first != -100).nonzero()[-1].tolist()
+        first[row, col] = -100
+        counts[0] -= 1
+    while counts[1] > counts[0]:
+        second = micro[1]["labels"]
+        row, col = (second != -100).nonzero()[-1].tolist()
+        second[row, col] = -100
+        counts[1] -= 1
+    state = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    ref = _trainer_step_update(model, micro, accumulation=2)
+    model.load_state_dict(state)
+    hf_packing.apply_rmpad("qwen3_vl_moe")
+    got = _trainer_step_update(model, micro, accumulation=2)
+    norm = lambda d: {n: t for n, t in d.items() if t.norm() > 0}  # noqa: E731
+    assert_equivalent((1.0, norm(ref)), (1.0, norm(got)), "moe aux, accumulation 2")
+
+
+def test_ddp_with_an_unsupervised_micro_batch(tmp_path):
+    """DDP, find_unused_parameters=False: a rank whose micro-batch has no supervised token still gives lm_head a
+    (zero) gradient, so the next step does not fail with "Expected to have finished reduction"; a step with no
+    supervised token anywhere gives loss 0, not NaN."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "ddp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).parent / "multiproc_ddp.py"), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = json.loads(out.read_text())["losses"]
+    assert losses[0] > 0 and losses[1] == 0.0
