@@ -41,7 +41,8 @@ from functools import partial
 
 import torch
 
-from .trainer import base_model, is_patched, packed_dataset
+from .patches import is_patched
+from .trainer import base_model, packed_dataset
 
 logger = logging.getLogger("hf_packing")
 IGNORE_INDEX = -100

@@ -74,11 +74,6 @@ def base_model(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def is_patched(model: Any) -> bool:
-    """Whether ``model``'s class forward is `hf_packing.apply_rmpad`'s (through DDP / PEFT wrappers)."""
-    return hasattr(type(base_model(model)).forward, "hf_packing_original")
-
-
 def reload_checkpoints_with_key_conversion(trainer: Any) -> Any:
     """After the Trainer's own checkpoint load, load full Qwen-VL weights again with key conversion, strictly.
 
@@ -119,6 +114,8 @@ def no_dispatch(trainer: Any) -> Any:
 
 def refuse_liger_kernel(trainer: Any) -> Any:
     """Raise if ``use_liger_kernel`` would replace the forward `apply_rmpad` patched. Returns ``trainer``."""
+    from .patches import is_patched
+
     if getattr(trainer.args, "use_liger_kernel", False) and is_patched(trainer.model):
         raise ValueError(
             "TrainingArguments(use_liger_kernel=True) replaces the model's forward with Liger's, undoing "
