@@ -54,7 +54,19 @@ class DataArguments:
     dataset_path: list[str] = field(
         default_factory=list, metadata={"help": "json/jsonl/parquet/arrow file(s), globs, dirs of them, or saved datasets dirs"}
     )
-    image_root: str | None = field(default=None, metadata={"help": "directory relative image paths start from"})
+    media_root: list[str] | None = field(
+        default=None, metadata={"help": "where relative image/video paths start: one dir, or one per dataset_path"}
+    )
+    image_root: str | None = field(default=None, metadata={"help": "former name of media_root (one dir for all)"})
+    video_root: list[str] | None = field(
+        default=None, metadata={"help": "where relative video frame paths start (if not media_root): one, or one each"}
+    )
+    fps: list[float] | None = field(
+        default=None, metadata={"help": "sampling rate of pre-sampled video frames: one, or one per dataset_path"}
+    )
+    row_format: list[str] | None = field(
+        default=None, metadata={"help": "auto | messages | llava: one, or one per dataset_path (default: detected)"}
+    )
     streaming: bool = field(default=False, metadata={"help": "read the data lazily (datasets streaming)"})
     weights: list[float] | None = field(default=None, metadata={"help": "sampling weights, one per dataset_path"})
     shuffle_seed: int | None = field(default=None, metadata={"help": "shuffle rows first (pack_dataset does not)"})
@@ -149,6 +161,15 @@ def load_one(path: str, *, streaming: bool) -> Any:
     return datasets.load_dataset(_builder(first), data_files=data_files, split="train", streaming=streaming)
 
 
+def per_path(values: list[Any] | None, names: list[str], setting: str) -> Any:
+    """One value for every dataset_path, or `{source name: value}` when one is given per path."""
+    if not values or len(values) == 1:
+        return values[0] if values else None
+    if len(values) != len(names):
+        raise ValueError(f"{len(values)} {setting} values for {len(names)} dataset_path entries: give one, or one each")
+    return dict(zip(names, values, strict=True))
+
+
 def load_model(model_args: ModelArguments):
     """Patch (before loading, as `apply_rmpad` patches classes), load, then freeze / wrap in LoRA."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -191,6 +212,8 @@ def main(argv: list[str] | None = None) -> Trainer:
         raise ValueError("set dataset_path (one or more local files / saved datasets dirs)")
     if data_args.weights is not None and len(data_args.weights) != len(data_args.dataset_path):
         raise ValueError(f"{len(data_args.weights)} weights for {len(data_args.dataset_path)} dataset_path entries")
+    if data_args.image_root and data_args.media_root:
+        raise ValueError("image_root is the former name of media_root: set one of them")
 
     processor = AutoProcessor.from_pretrained(model_args.processor_name_or_path or model_args.model_name_or_path)
     sources = {}
@@ -199,13 +222,17 @@ def main(argv: list[str] | None = None) -> Trainer:
         if data_args.shuffle_seed is not None:
             ds = ds.shuffle(seed=data_args.shuffle_seed)
         sources[f"{i}:{Path(path).stem}"] = ds
+    names = list(sources)
     packs = pack_dataset(
         next(iter(sources.values())) if len(sources) == 1 else sources, processor, max_length=packing.max_length,
         strategy=packing.strategy, max_images=packing.max_images, max_vision_patches=packing.max_vision_patches,
         buffer_size=packing.buffer_size, seed=training_args.seed, weights=data_args.weights,
-        image_root=data_args.image_root, on_overlong=packing.on_overlong, rank=training_args.process_index,
-        world_size=training_args.world_size, batch_size=training_args.per_device_train_batch_size,
-    )  # fmt: skip
+        media_root=per_path(data_args.media_root, names, "media_root") or data_args.image_root,
+        video_root=per_path(data_args.video_root, names, "video_root"), fps=per_path(data_args.fps, names, "fps"),
+        row_format=per_path(data_args.row_format, names, "row_format") or "auto", on_overlong=packing.on_overlong,
+        rank=training_args.process_index, world_size=training_args.world_size,
+        batch_size=training_args.per_device_train_batch_size,
+    )  # fmt: skip  -- a source that yields nothing raises NoSamplesError: no untrained model is saved
     model = load_model(model_args)
     collator = VisionCollator(processor, mode=packing.collator_mode, model_config=model.config)
     trainer = Trainer(model=model, args=training_args, train_dataset=packs, data_collator=collator,

@@ -73,6 +73,17 @@ def test_prepare_training_args_forces_pack_settings(train, caplog):
         train.prepare_training_args(TrainingArguments(output_dir="unused", use_cpu=True, report_to=[]))
 
 
+def test_per_source_data_settings_take_one_value_or_one_per_path(train):
+    names = ["0:coco", "1:clips"]
+    assert train.per_path(None, names, "fps") is None and train.per_path(["/d"], names, "media_root") == "/d"
+    assert train.per_path(["/c", "/v"], names, "media_root") == {"0:coco": "/c", "1:clips": "/v"}
+    with pytest.raises(ValueError, match="3 fps values for 2 dataset_path entries"):
+        train.per_path([1.0, 2.0, 3.0], names, "fps")
+    _, data_args, _, _ = train.parse_args([str(RECIPES / "configs/tiny_cpu.yaml"), "--media_root", "/c", "/v",
+                                           "--fps", "2", "--row_format", "llava", "messages"])
+    assert (data_args.media_root, data_args.fps, data_args.row_format) == (["/c", "/v"], [2.0], ["llava", "messages"])
+
+
 def test_load_one_reads_local_files_and_saved_dirs(train, tmp_path):
     import datasets
 
@@ -188,3 +199,22 @@ def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch):
         assert all(f"packing/{key}" in h for h in logs), key
     assert all(0 < h["packing/pack_fill"] <= 1 for h in logs)
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_train_py_fails_loudly_when_no_row_is_usable(train, tmp_path, monkeypatch):
+    """Video-file rows (not decoded yet) are all skipped: the run must stop with the reason, not save an untrained
+    model and exit 0."""
+    from hf_packing.tiny import save_tiny_checkpoint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    model_dir = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    row = {"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
+                                                  {"from": "gpt", "value": "It rains."}]}
+    (tmp_path / "videos.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match="yielded 0 of 2 rows: 2 unsupported_video"):
+        train.main([str(RECIPES / "configs/tiny_cpu.yaml"), "--model_name_or_path", str(model_dir),
+                    "--dataset_path", str(tmp_path / "videos.jsonl"), "--image_root", str(tmp_path),
+                    "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out" / "model.safetensors").exists()
