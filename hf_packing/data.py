@@ -32,10 +32,11 @@ import torch
 
 from .formats import FORMATS, normalize_row, row_fps
 from .images import REASONS, ImageLoader, OverlongError, SampleError
+from .loss import IGNORE_INDEX
 
 logger = logging.getLogger("hf_packing")
 
-IGNORE_INDEX = -100
+
 META_COLUMNS = ("hfp_num_tokens", "hfp_num_images", "hfp_vision_patches", "hfp_skip")
 __all__ = ["META_COLUMNS", "REASONS", "OverlongError", "Preprocessor", "SampleError", "SampleMeta", "SkipCounter",
            "normalize_row"]
