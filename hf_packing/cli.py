@@ -33,7 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--buffer-size", type=int, default=1000)
     stats.add_argument("--max-images", type=int)
     stats.add_argument("--max-vision-patches", type=int)
-    stats.add_argument("--image-root")
+    stats.add_argument("--media-root", "--image-root", dest="media_root", help="root of relative image/video paths")
+    stats.add_argument("--video-root", help="root of relative video frame paths, if not --media-root")
+    stats.add_argument("--fps", type=float, help="sampling rate of pre-sampled video frames (a row's 'fps' wins)")
+    stats.add_argument("--row-format", default="auto", choices=["auto", "messages", "llava"])
     stats.add_argument("--output", type=Path, default=Path("pack_stats.png"), help="histogram PNG")
     return parser
 

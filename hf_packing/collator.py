@@ -28,23 +28,16 @@ from typing import Any
 
 import torch
 
+from .loss import IGNORE_INDEX
+
 logger = logging.getLogger("hf_packing")
 
-IGNORE_INDEX = -100
 _CONCAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 def _as_long(x: Any) -> torch.Tensor:
     t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
     return t.reshape(-1).long()
-
-
-def _family_of(processor) -> str | None:
-    name = type(processor).__name__.lower().replace("_", "")
-    for model_type in ("qwen3_vl", "qwen2_5_vl", "qwen2_vl"):
-        if name.startswith(model_type.replace("_", "")):
-            return model_type
-    return None
 
 
 class RopeIndex:
@@ -88,8 +81,9 @@ class VisionCollator:
             here, per sample, with the model's own rope-index rule (required for ``"flat"``; in ``"rows"`` it
             moves that Python loop off the training step into DataLoader workers).
         pad_to_multiple_of (`int`, *optional*): pad rows (``"rows"``) to a multiple of this length.
-        return_cu_seqlens (`bool`, *optional*): add ``cu_seqlens`` / ``max_seqlen`` in ``"rows"`` mode. By default
-            only while `apply_rmpad` is active for this family: an unpatched model would hand a ``cu_seqlens``
+        return_cu_seqlens (`bool`, defaults to `False`): add ``cu_seqlens`` / ``max_seqlen`` in ``"rows"`` mode, for
+            callers that read the boundaries themselves. The patched forward does not need them (one sample per row:
+            the attention mask gives the same boundaries), and an unpatched model would hand a ``cu_seqlens``
             key to its vision tower, which reads it as its own.
 
     Returns (``__call__``), ``"rows"``: ``input_ids``/``labels``/``attention_mask``/``mm_token_type_ids`` ``(B, L)``,
@@ -99,7 +93,7 @@ class VisionCollator:
     """
 
     def __init__(self, processor=None, *, mode: str = "rows", model_config=None, pad_to_multiple_of: int | None = None,
-                 return_cu_seqlens: bool | None = None, pad_token_id: int | None = None,
+                 return_cu_seqlens: bool = False, pad_token_id: int | None = None,
                  padding_side: str | None = None) -> None:
         if mode not in ("rows", "flat"):
             raise ValueError(f"mode must be 'rows' or 'flat', got {mode!r}")
@@ -111,7 +105,6 @@ class VisionCollator:
         self.padding_side = padding_side or getattr(tokenizer, "padding_side", "right")
         self.pad_to_multiple_of = pad_to_multiple_of
         self.return_cu_seqlens = return_cu_seqlens
-        self.family = model_config.model_type if model_config is not None else _family_of(processor)
         self.rope_index = RopeIndex(model_config) if model_config is not None else None
         self.image_token_id = getattr(processor, "image_token_id", None) or getattr(model_config, "image_token_id", None)
         self.video_token_id = getattr(processor, "video_token_id", None) or getattr(model_config, "video_token_id", None)
@@ -155,13 +148,6 @@ class VisionCollator:
                     f"sample {index}: {pix_key} has patch dim {torch.as_tensor(pixels).shape[-1]} but this processor "
                     f"makes {self.patch_dim}; samples from different processors cannot share a batch"
                 )
-
-    def _emit_cu_seqlens(self) -> bool:
-        if self.return_cu_seqlens is not None:
-            return self.return_cu_seqlens
-        from .patches import is_applied
-
-        return self.family is not None and is_applied(self.family)
 
     # ------------------------------------------------------------------------------------------ collation
     def __call__(self, features: Sequence[Any]) -> dict[str, Any]:
@@ -216,7 +202,7 @@ class VisionCollator:
             out["mm_token_type_ids"][row, cols] = types[row]
             if positions:
                 out["position_ids"][:, row, cols] = positions[row]
-        if self._emit_cu_seqlens():
+        if self.return_cu_seqlens:
             out["cu_seqlens"] = _cu_seqlens(lengths)
             out["max_seqlen"] = max(lengths)
         return out

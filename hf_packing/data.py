@@ -1,12 +1,8 @@
-"""Preprocessing: row formats, chat template, assistant-only labels, and token counts from image metadata.
+"""Preprocessing: chat template, assistant-only labels, and token counts from image metadata.
 
 One row becomes one *sample*: 1-D `input_ids`, `labels`, `attention_mask`, `mm_token_type_ids`, the vision tensors
-with their grids, `num_tokens` and `index`. Two row formats are accepted and give identical samples:
-
-- HF messages: `{"messages": [{"role", "content": str | [{"type": "image" | "video" | "text", ...}]}],
-  "images": [PIL | bytes | {"bytes", "path"} | path], "videos": [frames]}`
-- LLaVA: `{"image": path | [paths], "conversations": [{"from": "human" | "gpt" | "system", "value": "<image>\\n..."}]}`
-  (each `<image>` becomes an image part; one newline next to it is part of the placeholder and dropped).
+with their grids, `num_tokens` and `index`. Rows are HF messages or LLaVA/Qwen conversations (see `formats.py`); the
+same conversation gives the same sample in either format.
 
 [`Preprocessor.estimate`] counts a sample's tokens without decoding pixels: the chat template is rendered and
 tokenized with ONE placeholder token per image, image sizes come from file headers (`PIL.Image.open` is lazy), and
@@ -34,15 +30,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from .formats import FORMATS, normalize_row, row_fps
 from .images import REASONS, ImageLoader, OverlongError, SampleError
+from .loss import IGNORE_INDEX
 
 logger = logging.getLogger("hf_packing")
 
-IGNORE_INDEX = -100
+
 META_COLUMNS = ("hfp_num_tokens", "hfp_num_images", "hfp_vision_patches", "hfp_skip")
 __all__ = ["META_COLUMNS", "REASONS", "OverlongError", "Preprocessor", "SampleError", "SampleMeta", "SkipCounter",
            "normalize_row"]
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 _CHATML = re.compile(r"<\|im_start\|>assistant\n.*?<\|im_end\|>", re.S)
 
 
@@ -74,6 +71,7 @@ class _Prepared:
     text: str  # the rendered chat template, one placeholder per image/video (what the processor receives)
     images: list[Any]
     videos: list[Any]
+    fps: list[float | None]  # per video; None: the processor's default (24)
     ids: np.ndarray  # tokens of `text`, videos' placeholders expanded with each pad run compressed to one token
     repeats: np.ndarray  # how many tokens each of `ids` becomes in the processed sample
     supervised: np.ndarray  # bool per `ids` entry
@@ -81,87 +79,20 @@ class _Prepared:
     meta: SampleMeta
 
 
-def _text(value: Any, index: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, (bytes, bytearray)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise SampleError("bad_text", f"text is not valid UTF-8 ({err})") from None
-    if not isinstance(value, str):
-        raise SampleError("bad_row", f"expected text, got {type(value).__name__}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:  # lone surrogates from a lossy decode upstream
-        raise SampleError("bad_text", f"text is not valid UTF-8 ({err})") from None
-    return value
-
-
-def normalize_row(row: Mapping[str, Any], index: Any = None) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
-    """Either row format → `(messages, images, videos)` with every content a list of typed parts.
-
-    Args:
-        row (`Mapping`): an HF-messages row or a LLaVA row (see the module docstring).
-        index (*optional*): the sample's id, for error messages.
-
-    Returns:
-        `tuple`: messages (`role` in user/assistant/system; parts `{"type": "image" | "video"}` or
-        `{"type": "text", "text": str}`), the image references and the videos, in placeholder order.
-    """
-    if "messages" in row:
-        turns, images, videos = row["messages"], list(row.get("images") or []), list(row.get("videos") or [])
-        inline = not images
-    elif "conversations" in row:
-        turns, videos, inline = row["conversations"], [], False
-        image = row.get("image", row.get("images"))
-        images = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
-    else:
-        raise SampleError("bad_row", f"row has neither 'messages' nor 'conversations' (keys: {sorted(row)})")
-    messages: list[dict[str, Any]] = []
-    for turn in turns or []:
-        role = _ROLES.get(_text(turn.get("role", turn.get("from")), index).lower())
-        if role is None:
-            raise SampleError("bad_row", f"unknown role {turn.get('role', turn.get('from'))!r}")
-        content = turn.get("content", turn.get("value"))
-        if isinstance(content, (str, bytes, bytearray)) or content is None:
-            text = _text(content, index)
-            parts = _split_llava(text) if "conversations" in row else [{"type": "text", "text": text}]
-        else:
-            parts = []
-            for part in content:
-                kind = part.get("type") or ("image" if part.get("image") is not None else "text")
-                if kind in ("image", "video"):
-                    parts.append({"type": kind})
-                    ref = part.get(kind, part.get("path"))
-                    if inline and ref is not None:
-                        (images if kind == "image" else videos).append(ref)
-                else:
-                    parts.append({"type": "text", "text": _text(part.get("text"), index)})
-        parts = [p for p in parts if p["type"] != "text" or p["text"]]
-        if parts:
-            messages.append({"role": role, "content": parts})
-    return messages, images, videos
-
-
-def _split_llava(text: str) -> list[dict[str, Any]]:
-    parts: list[dict[str, Any]] = []
-    for i, piece in enumerate(text.split("<image>")):
-        if i:
-            parts.append({"type": "image"})
-        piece = piece[1:] if i and piece.startswith("\n") else piece
-        parts.append({"type": "text", "text": piece[:-1] if i < text.count("<image>") and piece.endswith("\n") else piece})
-    return parts
-
-
 class Preprocessor:
-    """Turns rows into samples (full processing) or [`SampleMeta`] (metadata only) for one processor.
+    """Turns one source's rows into samples (full processing) or [`SampleMeta`] (metadata only) for one processor.
 
     Args:
         processor: a Qwen-VL processor (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`, `Qwen3VLProcessor`).
         max_length (`int`, *optional*): token budget; longer samples follow `on_overlong`.
-        image_root (`str` or `Path`, *optional*): relative image paths resolve here; a path that escapes it (`..`,
-            absolute, symlink) is refused with reason `"path_outside_root"`. Without it paths are used as given.
+        media_root (`str` or `Path`, *optional*): relative image and video paths resolve here; a path that escapes it
+            (`..`, absolute, symlink) is refused with reason `"path_outside_root"`. Without it paths are used as given.
+            `image_root` is its former name.
+        video_root (`str` or `Path`, *optional*): the root of video paths (frames) when it is not `media_root`.
+        fps (`float`, *optional*): the sampling rate of this source's video frames (a row's own `fps` wins); it
+            reaches the processor as `video_metadata` (Qwen2.5-VL `second_per_grid_ts`, Qwen3-VL timestamps).
+            Without it the processor assumes 24 fps.
+        row_format (`str`, defaults to `"auto"`): `"messages"`, `"llava"`, or `"auto"` per row (see `formats.py`).
         train_on (`str`, defaults to `"assistant"`): `"assistant"` supervises each assistant turn's content and its
             `<|im_end|>`; `"all"` every text token. Vision tokens (pads, `<|vision_start|>`/`<|vision_end|>`, video
             timestamps) are never supervised.
@@ -172,14 +103,24 @@ class Preprocessor:
             `"image_too_large"`) before anything is decoded; PIL's decompression-bomb limit applies too.
     """
 
-    def __init__(self, processor: Any, *, max_length: int | None = None, image_root: str | os.PathLike | None = None,
-                 train_on: str = "assistant", on_overlong: str = "drop", max_image_pixels: int = 89_478_485) -> None:
+    def __init__(self, processor: Any, *, max_length: int | None = None, media_root: str | os.PathLike | None = None,
+                 video_root: str | os.PathLike | None = None, fps: float | None = None, row_format: str = "auto",
+                 train_on: str = "assistant", on_overlong: str = "drop", max_image_pixels: int = 89_478_485,
+                 image_root: str | os.PathLike | None = None) -> None:
+        if media_root is not None and image_root is not None:
+            raise ValueError("image_root is the former name of media_root: pass one of them")
+        if row_format not in FORMATS:
+            raise ValueError(f"row_format must be one of {FORMATS}, got {row_format!r}")
         if train_on not in ("assistant", "all"):
             raise ValueError(f"train_on must be 'assistant' or 'all', got {train_on!r}")
         if on_overlong not in ("drop", "error", "truncate_text"):
             raise ValueError(f"on_overlong must be 'drop', 'error' or 'truncate_text', got {on_overlong!r}")
         self.processor, self.max_length, self.train_on, self.on_overlong = processor, max_length, train_on, on_overlong
-        self.images = ImageLoader(image_root=image_root, max_image_pixels=max_image_pixels)
+        root = media_root if media_root is not None else image_root
+        self.images = ImageLoader(image_root=root, max_image_pixels=max_image_pixels)
+        self.frames = ImageLoader(image_root=root if video_root is None else video_root,
+                                  max_image_pixels=max_image_pixels)
+        self.fps, self.row_format = fps, row_format
         self.tokenizer = getattr(processor, "tokenizer", processor)
         ids = self.tokenizer.convert_tokens_to_ids
         self.image_token, self.video_token = processor.image_token, getattr(processor, "video_token", None)
@@ -205,22 +146,17 @@ class Preprocessor:
         return dict(zip(META_COLUMNS, (meta.num_tokens, meta.num_images, meta.vision_patches, ""), strict=True))
 
     def _prepare(self, row: Mapping[str, Any], index: Any) -> _Prepared:
-        messages, images, videos = normalize_row(row, index)
-        if not messages:
-            raise SampleError("empty_conversation", "the conversation is empty")
+        messages, images, videos = normalize_row(row, index, row_format=self.row_format)
+        fps = row_fps(row, len(videos), self.fps)
         if self.train_on == "assistant" and not any(m["role"] == "assistant" for m in messages):
             raise SampleError("no_assistant_turn", "no assistant turn to supervise (or set train_on='all')")
-        n_img = sum(p["type"] == "image" for m in messages for p in m["content"])
-        n_vid = sum(p["type"] == "video" for m in messages for p in m["content"])
-        if (n_img, n_vid) != (len(images), len(videos)):
-            raise SampleError("placeholder_mismatch", f"{n_img} image / {n_vid} video placeholders but {len(images)} "
-                                                      f"images / {len(videos)} videos")
         text = self.processor.apply_chat_template(messages, tokenize=False)
-        if text.count(self.image_token) != n_img or (self.video_token and text.count(self.video_token) != n_vid):
+        if text.count(self.image_token) != len(images) or (
+                self.video_token and text.count(self.video_token) != len(videos)):
             raise SampleError("placeholder_mismatch", "the text itself contains image/video placeholder tokens")
         img_patches = [self._image_patches(ref) for ref in images]
         spans = self._supervised_spans(messages, text)
-        compressed, vid_runs, vid_patches, shift = self._expand_videos(text, videos)
+        compressed, vid_runs, vid_patches, shift = self._expand_videos(text, videos, fps)
         enc = self.tokenizer(compressed, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
         starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
@@ -240,7 +176,7 @@ class Preprocessor:
         supervised &= ~vision
         num_tokens = self._truncate(index, repeats, vision, supervised)
         meta = SampleMeta(num_tokens, len(images), sum(img_patches) + sum(vid_patches[0]))
-        return _Prepared(text, images, videos, ids, repeats, supervised, num_tokens, meta)
+        return _Prepared(text, images, videos, fps, ids, repeats, supervised, num_tokens, meta)
 
     def _supervised_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]] | None:
         """Character spans of assistant content + end-of-turn token in `text` (`None` = supervise everything)."""
@@ -260,7 +196,8 @@ class Preprocessor:
                 spans.append((len(head), len(turn.rstrip())))
         return spans
 
-    def _expand_videos(self, text: str, videos: list[Any]) -> tuple[str, list[int], tuple[list[int], list], Any]:
+    def _expand_videos(self, text: str, videos: list[Any], fps: list[float | None],
+                       ) -> tuple[str, list[int], tuple[list[int], list], Any]:
         """Replace each video placeholder by the processor's own expansion (Qwen3 adds timestamps), pad runs of one."""
         if not videos:
             return text, [], ([], []), lambda p: p
@@ -268,8 +205,8 @@ class Preprocessor:
 
         pieces, runs, patches, ranges, edits = [], [], [], [], []
         pos, out_len = 0, 0
-        for ref in videos:
-            frames, height, width = self.images.video_shape(ref)
+        for ref, rate in zip(videos, fps, strict=True):
+            frames, height, width = self.frames.video_shape(ref)
             # Patches of one temporal patch, times grid_t rounded up as the processor pads frames; the helper's own
             # frame count floors on transformers 5.17 while its processing rounds up.
             tps = self.processor.video_processor.temporal_patch_size
@@ -277,7 +214,7 @@ class Preprocessor:
             grid_t = -(-frames // tps)
             n = per_t * grid_t
             fake = {"video_grid_thw": torch.tensor([[grid_t, per_t, 1]]), "video_metadata": [VideoMetadata(
-                total_num_frames=frames, width=width, height=height, frames_indices=list(range(frames)))]}
+                **_video_metadata(frames, rate), width=width, height=height)]}
             repl = self.processor.replace_video_token(fake, 0)
             runs += [len(r) // len(self.video_token) for r in re.findall(f"(?:{re.escape(self.video_token)})+", repl)]
             repl = re.sub(f"(?:{re.escape(self.video_token)})+", self.video_token.replace("\\", r"\\"), repl)
@@ -334,10 +271,11 @@ class Preprocessor:
         """
         prep = self._prepare(row, index)
         images = [self.images.load_rgb(ref) for ref in prep.images] or None
-        videos = [self.images.load_video(ref) for ref in prep.videos] or None
+        videos = [self.frames.load_video(ref) for ref in prep.videos] or None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            kwargs = {"videos_kwargs": {"do_sample_frames": False}} if videos else {}
+            kwargs = {"videos_kwargs": {"do_sample_frames": False, "video_metadata": [
+                _video_metadata(len(v), rate) for v, rate in zip(videos, prep.fps, strict=True)]}} if videos else {}
             out = self.processor(text=[prep.text], images=images, videos=videos, return_tensors="pt", **kwargs)
         ids = out["input_ids"][0].long()
         expected = torch.from_numpy(np.repeat(prep.ids, prep.repeats))
@@ -356,3 +294,8 @@ class Preprocessor:
                 sample[key] = out[key]
         sample["num_tokens"], sample["index"] = n, index
         return sample
+
+
+def _video_metadata(frames: int, fps: float | None) -> dict[str, Any]:
+    """Pre-sampled frames taken at `fps`: what transformers turns into `second_per_grid_ts` and timestamps."""
+    return {"total_num_frames": frames, "fps": fps, "frames_indices": list(range(frames))}

@@ -41,11 +41,11 @@ from functools import partial
 
 import torch
 
+from .loss import IGNORE_INDEX
 from .patches import is_patched
 from .trainer import base_model, packed_dataset
 
 logger = logging.getLogger("hf_packing")
-IGNORE_INDEX = -100
 
 
 def _aux_term(model: Any, outputs: Any) -> torch.Tensor | float:

@@ -56,7 +56,7 @@ class ImageLoader:
             return path
         resolved = (self.image_root / path).resolve()  # follows symlinks; an absolute `path` replaces the root
         if not resolved.is_relative_to(self.image_root):
-            raise SampleError("path_outside_root", f"image path {os.fsdecode(ref)!r} resolves outside image_root")
+            raise SampleError("path_outside_root", f"path {os.fsdecode(ref)!r} resolves outside {self.image_root}")
         return resolved
 
     def _source(self, ref: Any) -> Image.Image | io.BytesIO | Path:
@@ -133,16 +133,24 @@ class ImageLoader:
                 image.close()
         return rgb
 
-
     def video_shape(self, ref: Any) -> tuple[int, int, int]:
-        """`(frames, height, width)` of pre-sampled frames: a `(T, H, W, C)` array or a list of image references."""
+        """`(frames, height, width)` of pre-sampled frames: a `(T, H, W, C)` array or a list of image references (all
+        read and of one size). A video file is refused: `"missing_file"`, else `"unsupported_video"` (not decoded)."""
         if isinstance(ref, np.ndarray) and ref.ndim == 4 and ref.shape[-1] in (1, 3, 4):
             return int(ref.shape[0]), int(ref.shape[1]), int(ref.shape[2])
         if isinstance(ref, (list, tuple)) and ref:
-            first = ref[0]
-            return (len(ref), *(first.shape[:2] if isinstance(first, np.ndarray) else self.size(first)))
+            sizes = {tuple(f.shape[:2]) if isinstance(f, np.ndarray) else self.size(f) for f in ref}
+            if len(sizes) > 1:
+                raise SampleError("bad_row", f"the frames of a video differ in size: {sorted(sizes)}")
+            return (len(ref), *sizes.pop())
+        if isinstance(ref, (str, os.PathLike)):
+            path = self.resolve(ref)
+            if not path.exists():
+                raise SampleError("missing_file", f"video file {str(path)!r} not found")
+            raise SampleError("unsupported_video", f"video file {str(path)!r}: video files are not decoded yet; pass "
+                                                   "pre-sampled frames (a list of images or a (T, H, W, C) array)")
         raise SampleError("unsupported_video", "videos must be pre-sampled frames: a (T, H, W, C) array or a list of "
-                                               "images (video files are not decoded here)")
+                                               "images")
 
     def load_video(self, ref: Any) -> np.ndarray:
         """The frames as one `(T, H, W, C)` uint8 array."""

@@ -7,7 +7,10 @@ from typing import Sequence
 
 
 def _pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError("the demo and `hf-packing stats` pictures need matplotlib: pip install 'hf_packing[cli]'") from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .data import META_COLUMNS, REASONS, OverlongError, Preprocessor, SampleError, SampleMeta, SkipCounter
+from .formats import check_yield, per_source
 from .planner import StreamingPlanner
 from .sources import SOURCE_COLUMN
 
@@ -35,7 +36,10 @@ class PackConfig:
     max_vision_patches: int | None = 65536
     buffer_size: int = 1000
     seed: int = 0
-    image_root: str | None = None
+    media_root: Any = None  # per source: one value, or {source name: value}
+    video_root: Any = None
+    fps: Any = None
+    row_format: Any = "auto"
     train_on: str = "assistant"
     on_overlong: str = "drop"
     on_error: str = "skip"
@@ -46,9 +50,14 @@ class PackConfig:
     disable_progress: bool = False
     leftovers: str = "drop"
 
-    def preprocessor(self, processor: Any) -> Preprocessor:
-        return Preprocessor(processor, max_length=self.max_length, image_root=self.image_root, train_on=self.train_on,
-                            on_overlong=self.on_overlong, max_image_pixels=self.max_image_pixels)
+    def preprocessors(self, processor: Any, names: list[str]) -> dict[str | None, Preprocessor]:
+        """One [`Preprocessor`] per source (key `None` for a single dataset), with that source's format and roots."""
+        per = {k: per_source(getattr(self, k), names, k) for k in ("media_root", "video_root", "fps")}
+        fmt = per_source(self.row_format, names, "row_format", "auto")
+        return {n: Preprocessor(processor, max_length=self.max_length, media_root=per["media_root"][n],
+                                video_root=per["video_root"][n], fps=per["fps"][n], row_format=fmt[n],
+                                train_on=self.train_on, on_overlong=self.on_overlong,
+                                max_image_pixels=self.max_image_pixels) for n in fmt}
 
 
 class Window:
@@ -68,16 +77,19 @@ class Replica:
 
     Args:
         cfg ([`PackConfig`]): settings. processor: the model's processor. source: a row source (`sources.py`).
-        epoch (`int`): passed to the source. rank, world, worker, workers (`int`): who this replica serves.
+        names (`list[str]`): the sources of a mix (empty for one dataset). epoch (`int`): passed to the source.
+        rank, world, worker, workers (`int`): who this replica serves.
         resume (`dict`, *optional*): the `position` of a `PackedDataset.state_dict()`.
         log (`bool`): log the first skip of each reason found while planning (one replica per run should).
     """
 
-    def __init__(self, cfg: PackConfig, processor: Any, source: Any, *, epoch: int, rank: int, world: int,
-                 worker: int, workers: int, resume: dict[str, Any] | None = None, log: bool = True) -> None:
-        self.cfg, self.source, self.epoch = cfg, source, epoch
+    def __init__(self, cfg: PackConfig, processor: Any, source: Any, *, names: list[str], epoch: int, rank: int,
+                 world: int, worker: int, workers: int, resume: dict[str, Any] | None = None, log: bool = True) -> None:
+        self.cfg, self.source, self.names, self.epoch = cfg, source, names, epoch
         self.rank, self.world, self.worker, self.workers = rank, world, worker, workers
-        self.pre = cfg.preprocessor(processor)
+        self.pres = cfg.preprocessors(processor, names)
+        self.pre = next(iter(self.pres.values()))
+        self.check_yield = True  # off when resuming a state saved before sources' kept rows were counted
         self.planner = StreamingPlanner(max_length=cfg.max_length, strategy=cfg.strategy, max_images=cfg.max_images,
                                         max_vision_patches=cfg.max_vision_patches, buffer_size=cfg.buffer_size,
                                         seed=cfg.seed)
@@ -101,6 +113,7 @@ class Replica:
         self.src_states = {self.seq: st["source"]["state"]}
         counters = st["counters"]
         self.g, self.mine = Counter(counters["global"]), Counter(counters["mine"])
+        self.check_yield = "kept" in self.g
         self.meta_skips.update(counters["meta_skips"])
         self.proc_skips.update(counters["proc_skips"])
         self.needed = {int(i) for b in st["planner"]["open_bins"] for i in b[1]}
@@ -136,12 +149,15 @@ class Replica:
                 packs = self.planner.add(i, meta.num_tokens, meta.num_images, meta.vision_patches)
                 if packs and not self._emit(packs, put):
                     return
-        self._emit(self.planner.flush(), put)
+        if not self._emit(self.planner.flush(), put):
+            return
         if self.cfg.leftovers == "spread" and self.unassigned:
             self._spread(put)
         self.g["leftover_packs"] = len(self.unassigned)
         self.g["leftover_samples"] = sum(len(p) for p in self.unassigned)
         self.g["done"] = 1
+        if self.check_yield:
+            check_yield(self.g, self.names, groups=self.next_group, world=self.world)
 
     def _keep(self, i: int, row: dict[str, Any], *, count: bool) -> Any:
         source = row.pop(SOURCE_COLUMN, None)
@@ -150,14 +166,14 @@ class Replica:
             if source is not None:
                 self.g[f"rows/{source}"] += 1
         try:
-            meta = self._meta(row, i)
+            meta = self._meta(self.pres[source], row, i)
         except OverlongError:
             raise
         except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
             if self.cfg.on_error == "raise":
                 raise
             if count:
-                self._skip(self.meta_skips, err, i)
+                self._skip_planned(err, i, source)
             else:  # planned before, failing now on resume: processing reports it
                 self.rows[i] = (row, None, source)
             return None
@@ -166,12 +182,19 @@ class Replica:
                                             self.cfg.max_vision_patches, "max_vision_patches")):
             if limit is not None and value > limit:
                 if count:
-                    self.meta_skips.record(reason, i, f"{value:,} > {name}={limit:,}; raise {name}")
+                    self._skip_planned(SampleError(reason, f"{value:,} > {name}={limit:,}; raise {name}"), i, source)
                 return None
         self.rows[i] = (row, meta.num_tokens, source)
         if count:
             self._padded_baseline(meta.num_tokens)
+            self.g.update(["kept"] if source is None else ["kept", f"kept/{source}"])
         return meta
+
+    def _skip_planned(self, err: Exception, i: int, source: str | None) -> None:
+        """Counted once per run (every replica plans every row), by reason and by source (see `check_yield`)."""
+        self._skip(self.meta_skips, err, i)
+        reason = err.reason if isinstance(err, SampleError) else "unexpected_error"
+        self.g[f"skips/{reason}" if source is None else f"skips/{source}/{reason}"] += 1
 
     def _padded_baseline(self, n: int) -> None:
         """Slots that padded batches of 8 would use for the same samples in input order (what a plain padded
@@ -184,16 +207,16 @@ class Replica:
             g["in_pad_slots"] += 8 * g["in_batch_max"]
             g["in_batch_n"] = g["in_batch_max"] = 0
 
-    def _meta(self, row: dict[str, Any], i: int) -> SampleMeta:
+    def _meta(self, pre: Preprocessor, row: dict[str, Any], i: int) -> SampleMeta:
         """From precomputed [`META_COLUMNS`] when the row has them (see `Preprocessor.metadata_columns`)."""
         if META_COLUMNS[0] not in row:
-            return self.pre.estimate(row, i)
+            return pre.estimate(row, i)
         tokens, images, patches, skip = (row[c] for c in META_COLUMNS)
         if skip:
             raise SampleError(skip, f"refused when the metadata columns were computed ({skip})")
         if tokens > self.cfg.max_length:  # compute the columns with max_length=None; on_overlong applies here (a
             # truncate_text cut through an image is only found when processing: reason "overlong_vision" then)
-            tokens = self.pre._truncate(i, np.array([tokens]), np.zeros(1, bool), np.ones(1, bool))
+            tokens = pre._truncate(i, np.array([tokens]), np.zeros(1, bool), np.ones(1, bool))
         return SampleMeta(tokens, images, patches)
 
     def _emit(self, packs: list[list[int]], put: Callable[[Any], bool] | None) -> bool:
@@ -274,7 +297,8 @@ class Replica:
         for i in pack:
             row, planned, source = self.rows[i]
             try:
-                sample = self.pre.process(self.source.fetch(i) if self.source.lazy else row, i, planned_tokens=planned)
+                sample = self.pres[source].process(self.source.fetch(i) if self.source.lazy else row, i,
+                                                   planned_tokens=planned)
             except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
                 if self.cfg.on_error == "raise" or isinstance(err, OverlongError):
                     raise

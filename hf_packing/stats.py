@@ -12,6 +12,7 @@ import sys
 from collections import Counter
 
 from .data import Preprocessor, SampleError, SkipCounter
+from .formats import source_formats
 from .planner import pack_stats, plan_packs
 
 logger = logging.getLogger("hf_packing")
@@ -45,7 +46,8 @@ def run_stats(args: argparse.Namespace) -> dict[str, dict]:
 
     processor = AutoProcessor.from_pretrained(args.processor)
     dataset = load_any_dataset(args.data)
-    preprocessor = Preprocessor(processor, max_length=None, image_root=args.image_root)
+    preprocessor = Preprocessor(processor, max_length=None, media_root=args.media_root, video_root=args.video_root,
+                                fps=args.fps, row_format=source_formats(dataset, args.row_format)[None])
     lengths, images, patches, skipped = collect_metadata(dataset, preprocessor, show_progress=sys.stderr.isatty())
     if not lengths:
         raise SystemExit(f"no usable samples in {args.data}; skipped: {dict(skipped)}")

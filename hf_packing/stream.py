@@ -45,7 +45,9 @@ only (~120k rows/s for a `datasets.Dataset`), and stale values are caught when a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import queue
 import sys
 import threading
@@ -55,6 +57,7 @@ from typing import Any
 
 import torch
 
+from .formats import source_formats
 from .replica import SKIPS, PackConfig, Replica
 from .sources import make_source
 
@@ -87,10 +90,11 @@ class PackedDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"leftovers must be 'drop' or 'spread', got {cfg.leftovers!r}")
         if cfg.batch_size < 1 or cfg.prefetch < 1 or cfg.buffer_size < 1:
             raise ValueError("batch_size, prefetch and buffer_size must be >= 1")
-        cfg.preprocessor(processor)  # validates train_on / on_overlong here rather than in a worker
+        cfg = dataclasses.replace(cfg, row_format=source_formats(ds, cfg.row_format))  # once per source, own columns
         self.cfg, self.processor, self.rank, self.world_size = cfg, processor, rank, world_size
         self.weights = dict(weights) if isinstance(weights, Mapping) else list(weights) if weights is not None else None
         self._source, self._names = make_source(ds, weights, cfg.seed, cfg.stopping_strategy)
+        cfg.preprocessors(processor, self._names)  # validates the settings here rather than in a worker
         self._fields = ["rows", "packs", "leftover_packs", "leftover_samples", "done", "packs_yielded", "samples",
                         "tokens", "images", "in_tokens", "in_pad_slots", "in_batch_n", "in_batch_max", "t0", "t1"]
         self._fields += [f"{k}/{n}" for k in ("rows", "samples") for n in self._names]
@@ -135,8 +139,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 if start[key] != value:
                     raise ValueError(f"state was saved with {key}={start[key]} but this run has {key}={value}; resume "
                                      f"with the same {key} (DataLoader num_workers, torch.distributed world)")
-        replica = Replica(self.cfg, self.processor, self._source, epoch=self._epoch, rank=rank, world=world,
-                          worker=worker, workers=workers, resume=position, log=rank == 0 and worker == 0)
+        replica = Replica(self.cfg, self.processor, self._source, names=self._names, epoch=self._epoch, rank=rank,
+                          world=world, worker=worker, workers=workers, resume=position, log=rank == 0 and worker == 0)
         # set now, not at the first next(): state_dict() right after iter() must describe this pass
         self._live = {"start": start, "snapshot": None, "where": (rank, world, worker, workers)}
         return self._iterate(replica, self._live, worker + 1 if info is not None else 0, info is not None)
@@ -295,8 +299,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
 
         rank, world = self._rank_world()
         disable = self.cfg.disable_progress if disable_progress is None else disable_progress
-        replica = Replica(self.cfg, self.processor, self._source, epoch=self._epoch, rank=rank, world=world,
-                          worker=0, workers=1, log=rank == 0)
+        replica = Replica(self.cfg, self.processor, self._source, names=self._names, epoch=self._epoch, rank=rank,
+                          world=world, worker=0, workers=1, log=rank == 0)
         with tqdm(total=self._source.size, desc="hf_packing: planning", unit=" rows",
                   disable=disable or rank != 0 or not sys.stderr.isatty()) as bar:
             replica.run(None, progress=bar)
@@ -321,7 +325,11 @@ def pack_dataset(
     buffer_size: int = 1000,
     seed: int = 0,
     weights: Mapping[str, float] | Sequence[float] | None = None,
-    image_root: str | None = None,
+    media_root: str | os.PathLike | Mapping[str, str | os.PathLike] | None = None,
+    video_root: str | os.PathLike | Mapping[str, str | os.PathLike] | None = None,
+    fps: float | Mapping[str, float] | None = None,
+    row_format: str | Mapping[str, str] = "auto",
+    image_root: str | os.PathLike | None = None,
     train_on: str = "assistant",
     on_overlong: str = "drop",
     on_error: str = "skip",
@@ -337,9 +345,9 @@ def pack_dataset(
     """Streams packs of processed multimodal samples: rank-equal, the same for any `num_workers`, resumable.
 
     Args:
-        ds (`datasets.Dataset`, `datasets.IterableDataset`, or a `dict` of them): HF-messages or LLaVA rows. A dict is
-            mixed with `datasets.interleave_datasets`, counting rows and samples per source. Rows are not shuffled
-            here: shuffle `ds` first.
+        ds (`datasets.Dataset`, `datasets.IterableDataset`, or a `dict` of them): HF-messages or LLaVA rows (see the
+            README's "Row formats"). A dict is mixed with `datasets.interleave_datasets`, counting rows and samples
+            per source; each source keeps its own format. Rows are not shuffled here: shuffle `ds` first.
         processor: the model's processor (Qwen2-VL, Qwen2.5-VL and Qwen3-VL families).
         max_length (`int`, defaults to 8192): token budget per pack.
         strategy (`str`, defaults to `"bfd"`): `"bfd"`, `"ffd"`, `"next_fit"` or `"balanced"` (see `planner.py`).
@@ -348,7 +356,13 @@ def pack_dataset(
         buffer_size (`int`, defaults to 1000): planner window (memory ≈ window + open packs, in rows).
         seed (`int`, defaults to 0): mixing seed.
         weights (`dict` or `list`, *optional*): sampling probabilities of a dict `ds`'s sources.
-        image_root (`str`, *optional*): root for relative image paths; paths escaping it are refused.
+        media_root (`str` or `dict`, *optional*): root of relative image and video paths, one for all sources or
+            `{source: root}`; paths escaping it are refused. `image_root` is its former name (one root).
+        video_root (`str` or `dict`, *optional*): root of relative video (frame) paths where it is not `media_root`.
+        fps (`float` or `dict`, *optional*): sampling rate of pre-sampled video frames, one or `{source: fps}`; a
+            row's own `fps` wins. Without it the processor assumes 24 fps (wrong temporal positions for sparse frames).
+        row_format (`str` or `dict`, defaults to `"auto"`): `"messages"`, `"llava"` or `"auto"` (detected from each
+            source's own columns), one or `{source: format}`.
         train_on (`str`, defaults to `"assistant"`): supervise assistant turns, or `"all"` text.
         on_overlong (`str`, defaults to `"drop"`): `"drop"`, `"error"` or `"truncate_text"` (never cuts an image).
         on_error (`str`, defaults to `"skip"`): skip bad rows and count them by reason, or `"raise"`.
@@ -366,18 +380,24 @@ def pack_dataset(
     Returns:
         [`PackedDataset`]: a `torch.utils.data.IterableDataset` of packs with `state_dict()`, `load_state_dict()`,
         `stats()`, `count_packs()`, and `len()` once counted. Each sample also carries `index`, its position in the
-        (mixed) input stream.
+        (mixed) input stream. A pass in which a source that had rows kept none of them, or no rank got a pack, ends
+        with [`~hf_packing.formats.NoSamplesError`] naming the source and its top skip reasons.
 
     Example:
 
     ```python
-    >>> train = pack_dataset(ds, processor, max_length=8192, image_root="/data/llava")
+    >>> train = pack_dataset({"llava": llava, "video": clips}, processor, max_length=8192,
+    ...                      weights={"llava": 3, "video": 1}, fps={"video": 2.0},
+    ...                      media_root={"llava": "/data/llava", "video": "/data/frames"})
     >>> loader = DataLoader(train, batch_size=1, num_workers=4, collate_fn=VisionCollator(processor))
     ```
     """
+    if image_root is not None and media_root is not None:
+        raise ValueError("image_root is the former name of media_root: pass one of them")
     cfg = PackConfig(max_length=max_length, strategy=strategy, max_images=max_images,
-                     max_vision_patches=max_vision_patches, buffer_size=buffer_size, seed=seed, image_root=image_root,
-                     train_on=train_on, on_overlong=on_overlong, on_error=on_error, prefetch=prefetch,
-                     batch_size=batch_size, stopping_strategy=stopping_strategy, max_image_pixels=max_image_pixels,
-                     disable_progress=disable_progress, leftovers=leftovers)
+                     max_vision_patches=max_vision_patches, buffer_size=buffer_size, seed=seed,
+                     media_root=image_root if media_root is None else media_root, video_root=video_root, fps=fps,
+                     row_format=row_format, train_on=train_on, on_overlong=on_overlong, on_error=on_error,
+                     prefetch=prefetch, batch_size=batch_size, stopping_strategy=stopping_strategy,
+                     max_image_pixels=max_image_pixels, disable_progress=disable_progress, leftovers=leftovers)
     return PackedDataset(ds, processor, cfg, weights=weights, rank=rank, world_size=world_size)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -57,7 +58,19 @@ class DataArguments:
     dataset_path: list[str] = field(
         default_factory=list, metadata={"help": "json/jsonl/parquet/arrow file(s), globs, dirs of them, or saved datasets dirs"}
     )
-    image_root: str | None = field(default=None, metadata={"help": "directory relative image paths start from"})
+    media_root: list[str] | None = field(
+        default=None, metadata={"help": "where relative image/video paths start: one dir, or one per dataset_path"}
+    )
+    image_root: str | None = field(default=None, metadata={"help": "former name of media_root (one dir for all)"})
+    video_root: list[str] | None = field(
+        default=None, metadata={"help": "where relative video frame paths start (if not media_root): one, or one each"}
+    )
+    fps: list[float] | None = field(
+        default=None, metadata={"help": "sampling rate of pre-sampled video frames: one, or one per dataset_path"}
+    )
+    row_format: list[str] | None = field(
+        default=None, metadata={"help": "auto | messages | llava: one, or one per dataset_path (default: detected)"}
+    )
     streaming: bool = field(default=False, metadata={"help": "read the data lazily (datasets streaming)"})
     weights: list[float] | None = field(default=None, metadata={"help": "sampling weights, one per dataset_path"})
     shuffle_seed: int | None = field(default=None, metadata={"help": "shuffle rows first (pack_dataset does not)"})
@@ -158,6 +171,15 @@ def load_one(path: str, *, streaming: bool) -> Any:
     return datasets.load_dataset(_builder(first), data_files=data_files, split="train", streaming=streaming)
 
 
+def per_path(values: list[Any] | None, names: list[str], setting: str) -> Any:
+    """One value for every dataset_path, or `{source name: value}` when one is given per path."""
+    if not values or len(values) == 1:
+        return values[0] if values else None
+    if len(values) != len(names):
+        raise ValueError(f"{len(values)} {setting} values for {len(names)} dataset_path entries: give one, or one each")
+    return dict(zip(names, values, strict=True))
+
+
 def hold_out(ds: Any, split: float, *, seed: int) -> tuple[Any, Any]:
     """(train rows, eval rows): ``split`` rows (>= 1) or a fraction (< 1, map-style only) held out of ``ds``."""
     import datasets
@@ -171,19 +193,35 @@ def hold_out(ds: Any, split: float, *, seed: int) -> tuple[Any, Any]:
     return ds.skip(int(split)), ds.take(int(split))
 
 
-def eval_rows(sources: dict[str, Any], data_args: DataArguments, *, seed: int) -> Any:
-    """The eval rows (``eval_dataset_path``, or ``eval_split`` rows held out of every source, which then
-    trains on the rest), concatenated; ``None`` without either."""
-    import datasets
-
+def eval_sources(sources: dict[str, Any], data_args: DataArguments, *, seed: int) -> dict[str, Any]:
+    """``{name: eval rows}``: each ``eval_dataset_path`` (named ``eval<i>:<stem>``), or ``eval_split`` rows held out
+    of every training source, under the source's own name (so its media_root / row_format apply); the training
+    source keeps the rest."""
     if data_args.eval_dataset_path and data_args.eval_split:
         raise ValueError("set eval_dataset_path or eval_split, not both")
-    parts = [load_one(path, streaming=data_args.streaming) for path in data_args.eval_dataset_path]
+    held = {f"eval{i}:{Path(path).stem}": load_one(path, streaming=data_args.streaming)
+            for i, path in enumerate(data_args.eval_dataset_path)}  # fmt: skip
     if data_args.eval_split:
         for name, ds in sources.items():
-            sources[name], held = hold_out(ds, data_args.eval_split, seed=seed)
-            parts.append(held)
-    return None if not parts else parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+            sources[name], held[name] = hold_out(ds, data_args.eval_split, seed=seed)
+    return held
+
+
+def one_or_mix(sources: dict[str, Any]) -> Any:
+    """What `pack_dataset` takes: the dataset itself when there is one, else the ``{name: dataset}`` mix."""
+    return next(iter(sources.values())) if len(sources) == 1 else sources
+
+
+def pack_eval(pack: Callable[..., Any], held_out: dict[str, Any], per_source: dict[str, Any], *, split: bool,
+              batch_size: int) -> Any:
+    """`pack_dataset` (``pack``) for the eval rows: every row once (a mix is not oversampled) and every pack once on
+    any number of processes (``leftovers="spread"``). Rows held out (``split``) keep their source's settings; eval
+    files take the settings given once for all sources."""
+    if not split:
+        per_source = {k: None if isinstance(v, dict) else v for k, v in per_source.items()}
+    per_source = {**per_source, "row_format": per_source["row_format"] or "auto"}
+    return pack(one_or_mix(held_out), batch_size=batch_size, stopping_strategy="all_exhausted_without_replacement",
+                leftovers="spread", **per_source)  # fmt: skip
 
 
 def load_model(model_args: ModelArguments):
@@ -228,6 +266,8 @@ def main(argv: list[str] | None = None) -> Trainer:
         raise ValueError("set dataset_path (one or more local files / saved datasets dirs)")
     if data_args.weights is not None and len(data_args.weights) != len(data_args.dataset_path):
         raise ValueError(f"{len(data_args.weights)} weights for {len(data_args.dataset_path)} dataset_path entries")
+    if data_args.image_root and data_args.media_root:
+        raise ValueError("image_root is the former name of media_root: set one of them")
 
     processor = AutoProcessor.from_pretrained(model_args.processor_name_or_path or model_args.model_name_or_path)
     sources = {}
@@ -236,21 +276,25 @@ def main(argv: list[str] | None = None) -> Trainer:
         if data_args.shuffle_seed is not None:
             ds = ds.shuffle(seed=data_args.shuffle_seed)
         sources[f"{i}:{Path(path).stem}"] = ds
-    held_out = eval_rows(sources, data_args, seed=training_args.seed)
-    if held_out is None and training_args.eval_strategy != "no":
+    held_out = eval_sources(sources, data_args, seed=training_args.seed)
+    if not held_out and training_args.eval_strategy != "no":
         raise ValueError(f"eval_strategy={training_args.eval_strategy.value!r} needs eval data: set "
                          "eval_dataset_path or eval_split")  # fmt: skip
+    names = list(sources)
+    per_source = {"media_root": per_path(data_args.media_root, names, "media_root") or data_args.image_root,
+                  "video_root": per_path(data_args.video_root, names, "video_root"),
+                  "fps": per_path(data_args.fps, names, "fps"),
+                  "row_format": per_path(data_args.row_format, names, "row_format") or "auto"}  # fmt: skip
     pack = partial(
         pack_dataset, processor=processor, max_length=packing.max_length, strategy=packing.strategy,
         max_images=packing.max_images, max_vision_patches=packing.max_vision_patches, buffer_size=packing.buffer_size,
-        seed=training_args.seed, image_root=data_args.image_root, on_overlong=packing.on_overlong,
-        rank=training_args.process_index, world_size=training_args.world_size,
+        seed=training_args.seed, on_overlong=packing.on_overlong, rank=training_args.process_index,
+        world_size=training_args.world_size,
     )  # fmt: skip
-    packs = pack(next(iter(sources.values())) if len(sources) == 1 else sources, weights=data_args.weights,
-                 batch_size=training_args.per_device_train_batch_size)  # fmt: skip
-    # leftovers="spread": every eval sample is evaluated once, whatever the number of processes
-    eval_packs = None if held_out is None else pack(held_out, leftovers="spread",
-                                                    batch_size=training_args.per_device_eval_batch_size)  # fmt: skip
+    packs = pack(one_or_mix(sources), weights=data_args.weights, batch_size=training_args.per_device_train_batch_size,
+                 **per_source)  # fmt: skip  -- a source that yields nothing raises NoSamplesError: no model is saved
+    eval_packs = None if not held_out else pack_eval(pack, held_out, per_source, split=bool(data_args.eval_split),
+                                                     batch_size=training_args.per_device_eval_batch_size)  # fmt: skip
     model = load_model(model_args)
     collator = VisionCollator(processor, mode=packing.collator_mode, model_config=model.config)
     trainer = Trainer(model=model, args=training_args, train_dataset=packs, eval_dataset=eval_packs,

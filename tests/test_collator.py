@@ -103,7 +103,8 @@ def test_rows_unpatched_equals_patched_and_flat_equals_rows(model_type):
     # Flat: one row, sdpa builds the block mask from the text position row; token-weighted mean like rows.
     flat = _loss(model, VisionCollator(processor, mode="flat", model_config=model.config)(packs))
     hf_packing.apply_rmpad(model_type)
-    rows_batch = VisionCollator(processor, model_config=model.config)(packs)
+    assert "cu_seqlens" not in VisionCollator(processor)(packs)  # only on request: the mask gives the boundaries
+    rows_batch = VisionCollator(processor, model_config=model.config, return_cu_seqlens=True)(packs)
     assert "cu_seqlens" in rows_batch and "position_ids" in rows_batch
     rows_patched = _loss(model, rows_batch)
     flat_patched = _loss(model, VisionCollator(processor, mode="flat", model_config=model.config)(packs))

@@ -74,6 +74,17 @@ def test_prepare_training_args_forces_pack_settings(train, caplog):
         train.prepare_training_args(TrainingArguments(output_dir="unused", use_cpu=True, report_to=[]))
 
 
+def test_per_source_data_settings_take_one_value_or_one_per_path(train):
+    names = ["0:coco", "1:clips"]
+    assert train.per_path(None, names, "fps") is None and train.per_path(["/d"], names, "media_root") == "/d"
+    assert train.per_path(["/c", "/v"], names, "media_root") == {"0:coco": "/c", "1:clips": "/v"}
+    with pytest.raises(ValueError, match="3 fps values for 2 dataset_path entries"):
+        train.per_path([1.0, 2.0, 3.0], names, "fps")
+    _, data_args, _, _ = train.parse_args([str(RECIPES / "configs/tiny_cpu.yaml"), "--media_root", "/c", "/v",
+                                           "--fps", "2", "--row_format", "llava", "messages"])
+    assert (data_args.media_root, data_args.fps, data_args.row_format) == (["/c", "/v"], [2.0], ["llava", "messages"])
+
+
 def test_load_one_reads_local_files_and_saved_dirs(train, tmp_path):
     import datasets
 
@@ -99,17 +110,17 @@ def test_eval_rows_are_held_out_or_read_from_files(train, tmp_path):
     split = lambda value, **kw: train.DataArguments(dataset_path=[str(tmp_path / "a.jsonl")], eval_split=value, **kw)  # noqa: E731
     for streaming, value, n_eval in ((False, 0.2, 2), (False, 3, 3), (True, 3, 3)):
         sources = {"0:a": train.load_one(str(tmp_path / "a.jsonl"), streaming=streaming)}
-        held = train.eval_rows(sources, split(value, streaming=streaming), seed=0)
+        held = train.eval_sources(sources, split(value, streaming=streaming), seed=0)
         trained = {r["messages"][0]["content"] for r in sources["0:a"]}
-        evaluated = {r["messages"][0]["content"] for r in held}
+        evaluated = {r["messages"][0]["content"] for r in held["0:a"]}  # under the source's name and settings
         assert len(evaluated) == n_eval and len(trained) == 10 - n_eval and not trained & evaluated
     with pytest.raises(ValueError, match="number of rows"):
-        train.eval_rows({"0:a": datasets.Dataset.from_list(rows).to_iterable_dataset()}, split(0.2), seed=0)
-    files = train.DataArguments(eval_dataset_path=[str(tmp_path / "a.jsonl")] * 2)
-    assert len(train.eval_rows({}, files, seed=0)) == 20
-    assert train.eval_rows({}, train.DataArguments(), seed=0) is None
+        train.eval_sources({"0:a": datasets.Dataset.from_list(rows).to_iterable_dataset()}, split(0.2), seed=0)
+    files = train.eval_sources({}, train.DataArguments(eval_dataset_path=[str(tmp_path / "a.jsonl")] * 2), seed=0)
+    assert list(files) == ["eval0:a", "eval1:a"] and all(len(ds) == 10 for ds in files.values())
+    assert train.eval_sources({}, train.DataArguments(), seed=0) == {}
     with pytest.raises(ValueError, match="not both"):
-        train.eval_rows({}, split(0.2, eval_dataset_path=[str(tmp_path / "a.jsonl")]), seed=0)
+        train.eval_sources({}, split(0.2, eval_dataset_path=[str(tmp_path / "a.jsonl")]), seed=0)
 
 
 # ------------------------------------------------------------------------------------------ accelerate
@@ -214,3 +225,22 @@ def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch):
     assert len(evals) == 2 and all(math.isfinite(h["eval_loss"]) and 0 <= h["eval_token_accuracy"] <= 1 for h in evals)
     assert trainer.eval_dataset.stats(log=False)["samples"] == 4
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_train_py_fails_loudly_when_no_row_is_usable(train, tmp_path, monkeypatch):
+    """Video-file rows (not decoded yet) are all skipped: the run must stop with the reason, not save an untrained
+    model and exit 0."""
+    from hf_packing.tiny import save_tiny_checkpoint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    model_dir = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    row = {"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
+                                                  {"from": "gpt", "value": "It rains."}]}
+    (tmp_path / "videos.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match="yielded 0 of 2 rows: 2 unsupported_video"):
+        train.main([str(RECIPES / "configs/tiny_cpu.yaml"), "--model_name_or_path", str(model_dir),
+                    "--dataset_path", str(tmp_path / "videos.jsonl"), "--image_root", str(tmp_path),
+                    "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -364,3 +364,71 @@ def test_messages_jsonl_with_mixed_part_keys(tmp_path, streaming):
     assert [len(p) for p in packs] == [3]
     assert all(int((s["input_ids"] == 151655).sum()) == 0 for p in packs for s in p)  # tiny vocab ids only
     assert all(s["image_grid_thw"].shape == (1, 3) for p in packs for s in p)
+
+
+# ------------------------------------------------------------------------------------------------ real-data formats
+def _llava(question: str, answer: str, **media) -> dict:  # every key in every row: from_list reads the first's
+    return {"image": None, "video": None, **media,
+            "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
+
+
+def _messages(question: str, answer: str, images: list[str]) -> dict:
+    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+    return {"messages": [{"role": "user", "content": parts},
+                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}], "images": images}
+
+
+def test_video_rows_are_skipped_never_trained_as_text(data, tmp_path):
+    image(56, 56).save(tmp_path / "a.png")
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not decoded yet")
+    rows = [_llava("<image>\nWhat is this?", "A square.", image="a.png"), _llava("Hello?", "Hi."),
+            _llava("<video>\nWhat happens?", "Rain.", video="missing.mp4"),
+            _llava("<video>\nWhat happens?", "Rain.", video="clip.mp4")]
+    train = make(data, Dataset.from_list(rows), image_root=str(tmp_path))
+    assert ids(train) == [[0, 1]]
+    assert train.stats(log=False)["skipped"] == {"missing_file": 1, "unsupported_video": 1}
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_mix_of_row_formats_keeps_both_sources(data, tmp_path, streaming):
+    (tmp_path / "coco").mkdir()
+    (tmp_path / "web").mkdir()
+    image(56, 84).save(tmp_path / "coco" / "a.png")
+    image(84, 56).save(tmp_path / "web" / "b.png")
+    llava = Dataset.from_list([_llava("<image>\nWhat is this?", f"llava {k}", image="a.png") for k in range(6)])
+    hf = Dataset.from_list([_messages("What is this?", f"messages {k}", ["b.png"]) for k in range(6)])
+    sources = {"llava": llava, "messages": hf}
+    if streaming:
+        sources = {k: v.to_iterable_dataset(num_shards=2) for k, v in sources.items()}
+    roots = {"llava": str(tmp_path / "coco"), "messages": str(tmp_path / "web")}  # each source its own media root
+    train = make(data, sources, image_root=None, media_root=roots, stopping_strategy="all_exhausted")  # alternate
+    samples = [s for p in train for s in p]
+    stats = train.stats(log=False)
+    assert stats["skipped"] == {}
+    assert {n: v["samples"] for n, v in stats["per_source"].items()} == {"llava": 6, "messages": 6}
+    text = data["processor"].tokenizer.decode
+    assert sorted(text(s["input_ids"]).split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0] for s in samples) \
+        == sorted([f"llava {k}" for k in range(6)] + [f"messages {k}" for k in range(6)])
+    # the same conversation gives the same tokens in either format
+    rows = (_llava("<image>\nWhat is this?", "x", image="a.png"), _messages("What is this?", "x", ["a.png"]))
+    one = [list(make(data, Dataset.from_list([r]), image_root=str(tmp_path / "coco")))[0][0]["input_ids"] for r in rows]
+    assert torch.equal(*one)
+
+
+def test_a_stream_that_yields_nothing_is_an_error(data, tmp_path):
+    from hf_packing.formats import NoSamplesError
+
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    videos = Dataset.from_list([_llava("<video>\nWhat happens?", "Rain.", video="clip.mp4")] * 3
+                               + [_llava("<video>\nAnd here?", "Sun.", video="gone.mp4")])
+    with pytest.raises(NoSamplesError, match=r"^the dataset yielded 0 of 4 rows: 3 unsupported_video, 1 missing_file"):
+        list(make(data, videos, image_root=str(tmp_path)))
+    with pytest.raises(NoSamplesError, match="yielded 0 of 4 rows"):
+        make(data, videos, image_root=str(tmp_path)).count_packs()
+    texts = Dataset.from_list([_llava("Hello?", "Hi.")] * 4)
+    mix = make(data, {"text": texts, "videos": videos}, image_root=None, media_root={"videos": str(tmp_path)},
+               stopping_strategy="all_exhausted")
+    with pytest.raises(NoSamplesError, match=r"source 'videos' yielded 0 of 4 rows: 3 unsupported_video, 1 missing"):
+        list(DataLoader(mix, batch_size=None, num_workers=1))  # raised in the worker, re-raised here
+    with pytest.raises(NoSamplesError, match="1 pack planned, none for any of world_size=2 ranks"):
+        list(make(data, texts, rank=1, world_size=2))
