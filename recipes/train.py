@@ -185,6 +185,8 @@ def hold_out(ds: Any, split: float, *, seed: int) -> tuple[Any, Any]:
     import datasets
 
     if not isinstance(ds, datasets.IterableDataset):
+        if split >= len(ds):
+            raise ValueError(f"eval_split={split:g} would hold out all {len(ds)} rows of a dataset_path; lower it")
         parts = ds.train_test_split(test_size=split if split < 1 else int(split), seed=seed)
         return parts["train"], parts["test"]
     if split < 1:

