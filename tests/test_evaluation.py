@@ -15,7 +15,7 @@ import torch
 import hf_packing
 from hf_packing import VisionCollator, pack_dataset, prepare_trainer
 from hf_packing.trainer import keep_rank_packs, no_dispatch
-from tests.conftest import load_processor
+from tests.conftest import FIXTURES, conversations, load_processor, processed_samples
 from tests.test_training import check_ok, launch, write_parquet
 
 HELPER = Path(__file__).parent / "multiproc_eval.py"
@@ -224,6 +224,26 @@ def test_loss_only_evaluation_skips_the_logits_under_the_patch(tmp_path, tiny_mo
     metrics = _trainer(tmp_path, model, processor, eval_dataset=_packs(eval_file, processor, LENGTHS[0])).evaluate()
     assert shapes and all(logits is None for logits in shapes)
     assert _rel(metrics["eval_token_accuracy"], reference["accuracy"]) < REL
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
+def test_moe_eval_loss_is_the_cross_entropy_without_the_router_aux_loss(tmp_path, patched):
+    """Qwen3-VL-MoE with output_router_logits: its loss adds router_aux_loss_coef · aux_loss; eval_loss does not.
+    Negative control: the Trainer's own eval_loss includes it."""
+    from hf_packing.tiny import build_tiny_model
+
+    processor = load_processor("qwen3_vl_moe")
+    samples = processed_samples(processor, conversations(with_video=False))
+    packs = [samples[:1], samples[1:]]
+    model = build_tiny_model("qwen3_vl_moe", processor_dir=FIXTURES / "qwen3_vl_moe")
+    expected, _, _ = _reference(model, processor, samples)  # output_router_logits off: cross-entropy only
+    if patched:
+        hf_packing.apply_rmpad("qwen3_vl_moe")
+    model.config.text_config.output_router_logits = True
+    ours = _trainer(tmp_path, model, processor, eval_dataset=packs).evaluate()["eval_loss"]
+    plain = _trainer(tmp_path, model, processor, eval_dataset=packs, prepare=False).evaluate()["eval_loss"]
+    print(f"eval_loss {ours:.6f}, cross-entropy {expected:.6f}, the Trainer's (with the aux term) {plain:.6f}")
+    assert _rel(ours, expected) < REL < _rel(plain, expected)
 
 
 def test_prepare_trainer_refuses_liger_kernel_on_a_patched_model(tmp_path):
