@@ -20,11 +20,14 @@ Mixture-of-experts models (Qwen3-VL-MoE) add ``router_aux_loss_coef · aux_loss`
 with dense models and with a perplexity.
 
 With a ``compute_loss_func`` or ``label_smoothing_factor`` the loss is the user's and cannot be split into tokens:
-the Trainer's own ``eval_loss`` is left as it is.
+the Trainer's own ``eval_loss`` is left as it is. A map-style eval set (e.g. a list of packs) under several processes
+is sharded by accelerate, which repeats its first samples to even out the last batch; those are counted again. A
+`pack_dataset` eval set (``leftovers="spread"``) is evaluated exactly once.
 
 Memory. Under `hf_packing.apply_rmpad`, when only the loss is needed (``evaluate()`` without ``compute_metrics``,
 or ``prediction_loss_only=True``) the forward gets ``skip_logits=True``: no ``(tokens × vocab)`` logits exist at any
-time beyond one loss chunk, and ``eval_token_accuracy`` comes for free. With ``compute_metrics`` the forward returns
+time beyond one loss chunk, and ``eval_token_accuracy`` comes for free (not under Liger's fused kernel, which never
+exposes logits: then it is left out). With ``compute_metrics`` the forward returns
 ``(B, L, vocab)`` logits like the unpatched model, and the Trainer pads them across processes, gathers them and
 keeps every step's until ``eval_accumulation_steps`` moves them to the CPU: ``L × vocab × 4`` bytes per row in fp32
 (an 8,192-token row of a 151,936-token vocabulary: 5.0 GB; in bf16 2.5 GB), times the rows of the whole eval set.
@@ -34,10 +37,9 @@ step's logits still exist once.
 
 from __future__ import annotations
 
-from typing import Any
-
 import logging
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -68,25 +70,25 @@ def _targets(inputs: dict[str, Any]) -> torch.Tensor:
 
 
 def batch_sums(model: Any, inputs: dict[str, Any], loss: torch.Tensor, outputs: Any) -> torch.Tensor:
-    """``[Σ CE, n supervised, n correct, 1 if n correct is unknown]`` of one eval batch, as float64 on ``loss``'s device.
+    """``[Σ CE, n supervised, n correct, 1 if n correct is unknown]`` of one eval batch, on ``loss``'s device.
 
     ``loss`` is the batch's mean cross-entropy (no ``num_items_in_batch``), ``outputs`` the model's output.
     """
-    device = loss.device
+    device, dtype = loss.device, _sum_dtype(loss.device)
     n = getattr(outputs, "num_supervised_tokens", None)
     targets = None
     if n is None:
         targets = _targets(inputs)
         n = (targets != IGNORE_INDEX).sum()
-    n = torch.as_tensor(n, dtype=torch.float64, device=device)
-    ce_mean = (loss.detach() - _aux_term(model, outputs)).double()
+    n = torch.as_tensor(n, dtype=dtype, device=device)
+    ce_mean = (loss.detach() - _aux_term(model, outputs)).to(dtype)
     correct = getattr(outputs, "num_correct_tokens", None)
     logits = getattr(outputs, "logits", None)
     if correct is None and isinstance(logits, torch.Tensor):
         targets = _targets(inputs) if targets is None else targets
         correct = ((logits.argmax(-1) == targets) & (targets != IGNORE_INDEX)).sum()
     known = correct is not None
-    correct = torch.as_tensor(correct if known else 0, dtype=torch.float64, device=device)
+    correct = torch.as_tensor(correct if known else 0, dtype=dtype, device=device)
     ce_sum = torch.where(n > 0, ce_mean * n, torch.zeros_like(n))  # a batch without targets: mean is NaN
     return torch.stack([ce_sum, n, correct, torch.ones_like(n) * (not known)])
 
@@ -154,11 +156,14 @@ def _gather_rows(accelerator: Any, tensors: Any) -> Any:
     return accelerator.gather(accelerator.pad_across_processes(tensors, dim=0, pad_index=IGNORE_INDEX))
 
 
+def _sum_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
 def _report(trainer: Any, total: torch.Tensor | None, metrics: dict[str, float], prefix: str) -> None:
     """All-reduce the sums (every rank calls this) and write the token-level metrics into ``metrics``."""
-    device = total.device if total is not None else trainer.args.device
-    dtype = torch.float32 if torch.device(device).type == "mps" else torch.float64
-    total = (total if total is not None else torch.zeros(4, device=device)).to(dtype)
+    device = total.device if total is not None else torch.device(trainer.args.device)
+    total = total if total is not None else torch.zeros(4, dtype=_sum_dtype(device), device=device)
     if trainer.accelerator.num_processes > 1:
         total = trainer.accelerator.reduce(total, reduction="sum")
     ce, n, correct, unknown = total.tolist()
