@@ -193,3 +193,18 @@ def test_placeholder_errors_use_transformers_wording(model_type):
     with pytest.raises(ValueError, match="Image features and image tokens do not match") as patched:
         model(**broken)
     assert type(patched.value) is type(unpatched.value)
+
+
+def test_one_real_token_keeps_its_shape():
+    """A batch with a single real token (e.g. the last, tiny eval pack): logits (1, L, V), not squeezed."""
+    model, processor = model_and_processor("qwen2_vl")
+    ids = torch.tensor([[processor.tokenizer("Hi")["input_ids"][0], 0]])
+    batch = {"input_ids": ids, "attention_mask": torch.tensor([[1, 0]]), "labels": ids.masked_fill(ids == 0, -100),
+             "use_cache": False}
+    model.eval()
+    with torch.no_grad():
+        ref = model(**batch)
+        hf_packing.apply_rmpad("qwen2_vl")
+        got = model(**batch, output_hidden_states=True)
+    assert got.logits.shape == ref.logits.shape and got.hidden_states[-1].shape[:2] == (1, 2)
+    torch.testing.assert_close(got.logits[0, 0], ref.logits[0, 0], rtol=1e-4, atol=1e-5)

@@ -55,8 +55,7 @@ class FlatBatch:
         return padded.flatten(0, 1).index_select(0, self.indices.to(padded.device))
 
     def repad(self, flat: torch.Tensor) -> torch.Tensor:
-        """``(T, ...)`` or ``(1, T, ...)`` → ``(B, L, ...)``, zeros at padded positions."""
-        flat = flat.squeeze(0) if flat.dim() > 1 and flat.shape[0] == 1 else flat
+        """``(T, ...)`` → ``(B, L, ...)``, zeros at padded positions."""
         out = flat.new_zeros((self.batch * self.length, *flat.shape[1:]))
         out.index_copy_(0, self.indices.to(flat.device), flat)
         return out.view(self.batch, self.length, *flat.shape[1:])

@@ -206,7 +206,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
         logits = None if flat_logits is None else _keep_logits(flat.repad(flat_logits), logits_to_keep)
         hidden_states = outputs.get("hidden_states")
         fields = dict(loss=loss, logits=logits, past_key_values=None, attentions=outputs.get("attentions"),
-                      hidden_states=None if hidden_states is None else tuple(flat.repad(h) for h in hidden_states))
+                      hidden_states=None if hidden_states is None else tuple(flat.repad(h[0]) for h in hidden_states))
         if spec.moe:
             fields.update(_moe_fields(self, spec, outputs, loss, ce, num_items_in_batch))
         result = output_class(**fields)
