@@ -281,14 +281,7 @@ def test_spread_leftovers_give_every_eval_pack_to_exactly_one_rank(processor, ev
     assert [s["index"] for s in filler] == [-1] and (filler[0]["labels"] == -100).all()
 
 
-# The 1-token filler a rank gets for the spread leftover group reaches FlatBatch.repad, which takes the (1, vocab)
-# logits of a 1-token batch for (1, T, ...) and squeezes them (IndexError); a fix in hf_packing/patches/_flatten.py.
-REPAD_ONE_TOKEN = pytest.mark.xfail(strict=True, raises=Exception,
-                                    reason="patched forward: logits of a batch of exactly one token fail to re-pad")
-
-
-@pytest.mark.parametrize("patched", [False, pytest.param(True, marks=REPAD_ONE_TOKEN)],
-                         ids=["unpatched", "patched"])
+@pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
 def test_two_processes_evaluate_every_pack_once_and_match_one_process(tmp_path, tiny_model, eval_file,
                                                                        reference, patched):  # fmt: skip
     """2 gloo processes, the eval set packed at two max_lengths: each pack is evaluated by exactly one rank, and
