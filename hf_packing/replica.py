@@ -78,8 +78,7 @@ class Replica:
         self.rank, self.world, self.worker, self.workers = rank, world, worker, workers
         self.pre = cfg.preprocessor(processor)
         self.planner = StreamingPlanner(max_length=cfg.max_length, strategy=cfg.strategy, max_images=cfg.max_images,
-                                        max_vision_patches=cfg.max_vision_patches, buffer_size=cfg.buffer_size,
-                                        seed=cfg.seed)
+                                        max_vision_patches=cfg.max_vision_patches, buffer_size=cfg.buffer_size)
         self.rows: dict[int, tuple[dict[str, Any], int | None, str | None]] = {}  # seq -> (row, planned tokens, source)
         self.unassigned: list[list[int]] = []  # closed packs waiting for a full group of `world`
         self.next_group, self.costs = 0, [0] * world
