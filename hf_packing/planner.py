@@ -28,10 +28,10 @@ LLaVA-665k-like mix at 8k (whole-dataset BFD: 0.9997) and 0.9954 on 1-4-page doc
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import accumulate, repeat
 from typing import Any
 
 import numpy as np
@@ -40,8 +40,8 @@ __all__ = ["STRATEGIES", "Bin", "StreamingPlanner", "pack_stats", "padded_fill_a
 
 STRATEGIES: tuple[str, ...] = ("next_fit", "bfd")
 _STATE_VERSION = 3
-# Open packs are kept as sorted ints `room << _SHIFT | bin_id`: `bisect` on plain ints stays in C, and equal
-# room sorts the oldest pack first.
+# Open packs are sorted ints `room << _SHIFT | bin_id`: `bisect` on plain ints stays in C, and equal room sorts
+# the oldest pack first.
 _SHIFT = 40
 _MASK = (1 << _SHIFT) - 1
 _UNLIMITED = 1 << 62
@@ -52,9 +52,9 @@ Columns = tuple[list[int], list[int], list[int], list[int]]  # indices, tokens, 
 
 @dataclass(slots=True)
 class Bin:
-    """An open pack: one entry per sample in `items` (indices) and `lengths`, and in `images` / `patches` when
-    a media budget is set (else those stay empty); the totals; and `born`, set while the next window may
-    dissolve and re-plan the pack: the earliest window any of its samples was first planned in."""
+    """An open pack: one entry per sample in `items` (indices) and `lengths`, and in `images` / `patches` when a
+    media budget is set (else empty); the totals; and `born`, set while the next window may dissolve and
+    re-plan the pack: the earliest window any of its samples was first planned in."""
 
     items: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
@@ -148,33 +148,27 @@ class StreamingPlanner:
 
     Samples come one at a time ([`~StreamingPlanner.add`]) or in bulk ([`~StreamingPlanner.extend`]) and are
     planned a window of `buffer_size` at a time against the packs still open; full packs are returned.
-    [`~StreamingPlanner.flush`] plans what is pending and closes every pack. [`~StreamingPlanner.state_dict`]
-    is plain JSON-able data: loading it and feeding the rest gives exactly the packs of an uninterrupted run.
+    [`~StreamingPlanner.flush`] plans what is pending and closes every pack. [`~StreamingPlanner.state_dict`] is
+    plain JSON-able data: loading it and feeding the rest gives exactly the packs of an uninterrupted run.
 
     Args:
-        max_length (`int`):
-            Token budget per pack (hard). Longer samples are dropped.
-        strategy (`str`, *optional*, defaults to `"bfd"`):
-            `"bfd"` (best-fit decreasing per window, open packs carried over) or `"next_fit"` (input order,
-            one open pack).
-        max_images (`int`, *optional*):
-            Images per pack; `None` ignores image counts.
-        max_vision_patches (`int`, *optional*):
-            Σ `t·h·w` vision patches per pack; `None` ignores patch counts.
-        buffer_size (`int`, *optional*):
-            Samples per window; `None` plans everything at [`~StreamingPlanner.flush`] (whole dataset).
-        max_open_bins (`int`, *optional*):
-            Most packs carried over between windows; beyond it the fullest close. Defaults to `buffer_size`.
-        close_threshold (`int`, *optional*):
-            A pack with at most this much token room closes at the end of a window. Defaults to
-            `max_length // 200` (0.5%). A pack with less room than the shortest sample seen closes too, unless
-            the next window re-plans it.
-        repack_windows (`int`, *optional*, defaults to 2):
-            `"bfd"`: how many later windows may dissolve and re-plan a sample whose pack is still open; a pack
-            holding a sample re-planned this often keeps its samples. `0` disables re-planning.
-        repack_budget (`int`, *optional*):
-            `"bfd"`: most samples re-planned per window, emptiest packs first (the others keep their samples).
-            Defaults to `buffer_size // 4`, which bounds the extra work.
+        max_length (`int`): Token budget per pack (hard). Longer samples are dropped.
+        strategy (`str`, *optional*, defaults to `"bfd"`): `"bfd"` (best-fit decreasing per window, open packs carried
+            over) or `"next_fit"` (input order, one open pack).
+        max_images (`int`, *optional*): Images per pack; `None` ignores image counts.
+        max_vision_patches (`int`, *optional*): Σ `t·h·w` vision patches per pack; `None` ignores patch counts.
+        buffer_size (`int`, *optional*): Samples per window; `None` plans everything at [`~StreamingPlanner.flush`]
+            (whole dataset).
+        max_open_bins (`int`, *optional*): Most packs carried over between windows; beyond it the fullest close.
+            Defaults to `buffer_size`.
+        close_threshold (`int`, *optional*): A pack with at most this much token room closes at the end of a window.
+            Defaults to `max_length // 200` (0.5%). A pack with less room than the shortest sample seen closes too,
+            unless the next window re-plans it.
+        repack_windows (`int`, *optional*, defaults to 2): `"bfd"`: how many later windows may dissolve and re-plan a
+            sample whose pack is still open; a pack holding a sample re-planned this often keeps its samples. `0`
+            disables re-planning.
+        repack_budget (`int`, *optional*): `"bfd"`: most samples re-planned per window, emptiest packs first (the others
+            keep their samples). Defaults to `buffer_size // 4`, which bounds the extra work.
     """
 
     def __init__(self, *, max_length: int, strategy: str = "bfd", max_images: int | None = None,
@@ -182,9 +176,9 @@ class StreamingPlanner:
                  max_open_bins: int | None = None, close_threshold: int | None = None, repack_windows: int = 2,
                  repack_budget: int | None = None) -> None:
         if strategy not in STRATEGIES:
-            raise ValueError(f"Unknown `strategy`={strategy!r}; valid strategies are {', '.join(map(repr, STRATEGIES))}.")
-        self.max_length: int = _check_int("max_length", max_length, minimum=1)
+            raise ValueError(f"Unknown `strategy`={strategy!r}; valid strategies are {str(STRATEGIES)[1:-1]}.")
         self.strategy = strategy
+        self.max_length: int = _check_int("max_length", max_length, minimum=1)
         self.max_images: int | None = _check_int("max_images", max_images, minimum=0, allow_none=True)
         self.max_vision_patches: int | None = _check_int("max_vision_patches", max_vision_patches, minimum=0,
                                                          allow_none=True)
@@ -194,9 +188,9 @@ class StreamingPlanner:
         self.close_threshold: int = _check_int(
             "close_threshold", self.max_length // 200 if close_threshold is None else close_threshold, minimum=0)
         self.repack_windows: int = _check_int("repack_windows", repack_windows, minimum=0)
-        if repack_budget is None and buffer_size is not None:
-            repack_budget = buffer_size // 4
-        self.repack_budget: int | None = _check_int("repack_budget", repack_budget, minimum=0, allow_none=True)
+        self.repack_budget: int | None = _check_int(
+            "repack_budget", buffer_size // 4 if repack_budget is None and buffer_size else repack_budget,
+            minimum=0, allow_none=True)
         self._media = self.max_images is not None or self.max_vision_patches is not None
         self._mi = _UNLIMITED if self.max_images is None else self.max_images
         self._mp = _UNLIMITED if self.max_vision_patches is None else self.max_vision_patches
@@ -234,8 +228,7 @@ class StreamingPlanner:
         """Restores a state from [`~StreamingPlanner.state_dict`] (possibly JSON round-tripped).
 
         Args:
-            state (`dict`):
-                The saved state.
+            state (`dict`): The saved state.
 
         Raises:
             ValueError: if the state's version or settings differ from this planner's.
@@ -273,14 +266,11 @@ class StreamingPlanner:
         """Adds one sample; returns the packs this closed (often none), in creation order.
 
         Args:
-            index (`int`):
-                Identifier of the sample, returned inside the packs (e.g. its dataset index).
-            length (`int`):
-                Token count.
-            images (`int`, *optional*, defaults to 0):
-                Image count (ignored unless `max_images` is set).
-            patches (`int`, *optional*, defaults to 0):
-                Σ `t·h·w` vision patches (ignored unless `max_vision_patches` is set).
+            index (`int`): Identifier of the sample, returned inside the packs (e.g. its dataset index).
+            length (`int`): Token count.
+            images (`int`, *optional*, defaults to 0): Image count (ignored unless `max_images` is set).
+            patches (`int`, *optional*, defaults to 0): Σ `t·h·w` vision patches (ignored unless `max_vision_patches` is
+                set).
         """
         sample = int(index), int(length), int(images), int(patches)
         if min(sample[1:]) < 0:
@@ -292,15 +282,14 @@ class StreamingPlanner:
         """Adds many samples; the same as [`~StreamingPlanner.add`] for each, but faster.
 
         Args:
-            lengths (`Sequence[int]` or `np.ndarray`):
-                Token count per sample.
-            indices (`Sequence[int]` or `np.ndarray`, *optional*):
-                Identifiers returned in the packs. Defaults to consecutive integers continuing the count of
-                samples seen (so [`plan_packs`] gets indices into `lengths`).
-            images (`Sequence[int]` or `np.ndarray`, *optional*):
-                Image count per sample; required when `max_images` is set.
-            patches (`Sequence[int]` or `np.ndarray`, *optional*):
-                Vision patches per sample; required when `max_vision_patches` is set.
+            lengths (`Sequence[int]` or `np.ndarray`): Token count per sample.
+            indices (`Sequence[int]` or `np.ndarray`, *optional*): Identifiers returned in the packs. Defaults to
+                consecutive integers continuing the count of samples seen (so [`plan_packs`] gets indices into
+                `lengths`).
+            images (`Sequence[int]` or `np.ndarray`, *optional*): Image count per sample; required when `max_images` is
+                set.
+            patches (`Sequence[int]` or `np.ndarray`, *optional*): Vision patches per sample; required when
+                `max_vision_patches` is set.
 
         Returns:
             `list[list[int]]`: packs closed by this call, in creation order.
@@ -319,26 +308,19 @@ class StreamingPlanner:
         return self._push(idx, lens, *media)
 
     def flush(self) -> list[list[int]]:
-        """Plans the pending samples and closes every open pack; returns them in creation order.
-
-        The planner stays usable: counters continue and the next sample starts a fresh window.
-        """
+        """Plans the pending samples and closes every open pack; returns them in creation order. The planner
+        stays usable: counters continue and the next sample starts a fresh window."""
         return self._plan_window(final=True)
 
     def _push(self, idx: IntArray, lens: IntArray, imgs: IntArray, pats: IntArray) -> list[list[int]]:
-        """Drops the samples over a budget and adds the others to the pending window(s); a dimension without a
-        budget is ignored."""
+        """Drops the samples over a budget (a dimension without a budget is ignored) and queues the others."""
         idx, lens, imgs, pats = map(np.asarray, (idx, lens, imgs, pats))
-        keep = lens <= self.max_length
-        if self.max_images is not None:
-            keep &= imgs <= self.max_images
-        if self.max_vision_patches is not None:
-            keep &= pats <= self.max_vision_patches
+        keep = (lens <= self.max_length) & (imgs <= self._mi) & (pats <= self._mp)
         self._num_seen += len(keep)
         self._num_dropped += int(len(keep) - keep.sum())
         columns = [idx[keep].tolist(), lens[keep].tolist()]
         if self._media:
-            columns += [[0] * len(columns[0]) if limit is None else col[keep].tolist()
+            columns += [col[keep].tolist() if limit is not None else [0] * len(columns[0])
                         for col, limit in ((imgs, self.max_images), (pats, self.max_vision_patches))]
         out: list[list[int]] = []
         start, n = 0, len(columns[0])
@@ -355,8 +337,9 @@ class StreamingPlanner:
         (idx, lens, imgs, pats), self._pending = self._pending, ([], [], [], [])
         if lens:
             self._min_len = min(lens) if self._min_len is None else min(self._min_len, min(lens))
-            media = [(im, pa) for im, pa in zip(imgs, pats) if im or pa] + ([self._min_media] if self._min_media else [])
+            media = [(im, pa) for im, pa in zip(imgs, pats) if im or pa]
             if media:
+                media += [self._min_media] if self._min_media else []
                 self._min_media = min(im for im, _ in media), min(pa for _, pa in media)
         # Dissolve the packs this window re-plans: their samples go first (pack creation order; the stable sort
         # keeps them ahead of new samples of equal length). `born_of`: window a re-planned sample was first
@@ -412,8 +395,8 @@ class StreamingPlanner:
         """Longest first, each sample into the open pack with the least token room that fits every budget.
 
         A sample without images/patches takes the token-tightest pack. One with media checks the `_CANDIDATES`
-        tightest; when none fits, an exact [`_RoomTree`] query runs (built on the first such sample of a
-        window, so windows where the budgets never bind do not pay for it).
+        tightest; when none fits, an exact [`_RoomTree`] query runs (built on the first such sample of a window,
+        so windows where the budgets never bind do not pay for it).
         """
         order = np.argsort(-np.asarray(window[1], dtype=np.int64), kind="stable")  # ties keep arrival order
         media = self._media
@@ -440,8 +423,7 @@ class StreamingPlanner:
                         key = tree.query(length, im, pa)
                         pos = n if key < 0 else bl(keys, key)
             if pos < len(keys):
-                key = keys[pos]
-                k = key - need
+                k = keys[pos] - need
                 new_pos = bl(keys, k, 0, pos)
                 if new_pos == pos:
                     keys[pos] = k
@@ -450,7 +432,7 @@ class StreamingPlanner:
                     keys.insert(new_pos, k)
                 b = bins[k & mask]
             else:
-                key, k = -1, ((ml - length) << shift) | next_id
+                need, k = -1, ((ml - length) << shift) | next_id  # need=-1: no old key for the tree
                 keys.insert(bl(keys, k), k)
                 b = bins[next_id] = Bin()
                 next_id += 1
@@ -461,8 +443,8 @@ class StreamingPlanner:
                 b.patches.append(pa)
                 b.num_images += im
                 b.num_patches += pa
-            if tree:
-                tree.move(key, k)
+                if tree:
+                    tree.move(k + need if need >= 0 else -1, k)
         self._next_id = next_id
         for k in keys:
             bins[k & mask].tokens = ml - (k >> shift)
@@ -476,12 +458,12 @@ class StreamingPlanner:
         A pack made in this window is young while none of its samples was re-planned `repack_windows` times,
         tokens are its fullest budget and it can still take a media sample (when images/patches bind,
         re-planning for token fit cost 0.1-0.3% more packs); it closes only when its room is within
-        `close_threshold`. Any other pack closes when it was carried over and got nothing, when its room is
-        below the shortest sample seen, or when it can take no media sample any more (image room below the
-        fewest images, or patch room within 0.5% of `max_vision_patches` / below the fewest patches, of a media
-        sample): waiting for text-only samples could keep it open forever. Over `max_open_bins` the fullest
-        (largest used fraction of any budget) close; over `repack_budget` re-planned samples the fullest young
-        packs keep their samples (and close if nothing fits them).
+        `close_threshold`. Any other pack closes when it was carried over and got nothing, when its room is below
+        the shortest sample seen, or when it can take no media sample any more (image room below the fewest
+        images, or patch room within 0.5% of `max_vision_patches` / below the fewest patches, of a media sample):
+        waiting for text-only samples could keep it open forever. Over `max_open_bins` the fullest (largest used
+        fraction of any budget) close; over `repack_budget` re-planned samples the fullest young packs keep their
+        samples (and close if nothing fits them).
         """
         ml, ct, w, bins, media, mi, mp = self.max_length, self.close_threshold, self._num_windows, self._open, \
             self._media, self._mi, self._mp
@@ -511,28 +493,20 @@ class StreamingPlanner:
                 continue
             keep.append(bid)
 
-        def fullness(bid: int) -> float:
-            b, full = bins[bid], bins[bid].tokens / ml
-            if self.max_images:
-                full = max(full, b.num_images / self.max_images)
-            if self.max_vision_patches:
-                full = max(full, b.num_patches / self.max_vision_patches)
-            return full
+        def fullness(bid: int) -> tuple[float, int]:
+            b, mi, mp = bins[bid], self.max_images, self.max_vision_patches
+            return max(b.tokens / ml, b.num_images / mi if mi else 0, b.num_patches / mp if mp else 0), bid
 
         if self.max_open_bins is not None and len(keep) > self.max_open_bins:
-            keep.sort(key=lambda bid: (-fullness(bid), bid))
+            keep.sort(key=lambda bid: (-fullness(bid)[0], bid))
             over = set(keep[: len(keep) - self.max_open_bins])
             closing += over
             young = [bid for bid in young if bid not in over]
-        budget = self.repack_budget
-        if young and budget is not None and sum(len(bins[bid].items) for bid in young) > budget:
-            young.sort(key=lambda bid: (fullness(bid), bid))  # emptiest first: they gain most from re-planning
-            for k, bid in enumerate(young):
-                budget -= len(bins[bid].items)
-                if budget < 0:
-                    closing += [bid for bid in young[k:] if ml - bins[bid].tokens <= tok_thr]
-                    del young[k:]
-                    break
+        if young and self.repack_budget is not None:
+            young.sort(key=fullness)  # emptiest first: they gain most from re-planning
+            k = bisect_right(list(accumulate(len(bins[bid].items) for bid in young)), self.repack_budget)
+            closing += [bid for bid in young[k:] if ml - bins[bid].tokens <= tok_thr]  # over budget: kept as is
+            del young[k:]
         packs = self._close(closing)
         for bid in young:
             bins[bid].born = min(born_of.get(x, w) for x in bins[bid].items) if born_of else w
@@ -542,28 +516,19 @@ class StreamingPlanner:
 def plan_packs(lengths: IntArray, *, max_length: int, strategy: str = "bfd", images: IntArray | None = None,
                max_images: int | None = None, vision_patches: IntArray | None = None,
                max_vision_patches: int | None = None, buffer_size: int | None = None) -> list[list[int]]:
-    """Groups samples into packs that respect the token, image and vision-patch budgets.
-
-    `StreamingPlanner(...).extend(...)` then `flush()`, so planning here and in a data pipeline give the same
-    packs.
+    """Groups samples into packs that respect the token, image and vision-patch budgets: a [`StreamingPlanner`]
+    fed everything, then flushed, so planning here and in a data pipeline give the same packs.
 
     Args:
-        lengths (`Sequence[int]` or `np.ndarray`):
-            Token count per sample.
-        max_length (`int`):
-            Token budget per pack (hard).
-        strategy (`str`, *optional*, defaults to `"bfd"`):
-            `"bfd"` or `"next_fit"` (see [`StreamingPlanner`]).
-        images (`Sequence[int]` or `np.ndarray`, *optional*):
-            Image count per sample; required when `max_images` is set.
-        max_images (`int`, *optional*):
-            Images per pack.
-        vision_patches (`Sequence[int]` or `np.ndarray`, *optional*):
-            Σ `t·h·w` of each sample's images/videos; required when `max_vision_patches` is set.
-        max_vision_patches (`int`, *optional*):
-            Vision patches per pack.
-        buffer_size (`int`, *optional*):
-            `None` plans the whole input at once; `k` streams it in windows of k samples.
+        lengths (`Sequence[int]` or `np.ndarray`): Token count per sample.
+        max_length (`int`): Token budget per pack (hard).
+        strategy (`str`, *optional*, defaults to `"bfd"`): `"bfd"` or `"next_fit"` (see [`StreamingPlanner`]).
+        images (`Sequence[int]` or `np.ndarray`, *optional*): Image count per sample; required when `max_images` is set.
+        max_images (`int`, *optional*): Images per pack.
+        vision_patches (`Sequence[int]` or `np.ndarray`, *optional*): Σ `t·h·w` of each sample's images/videos; required
+            when `max_vision_patches` is set.
+        max_vision_patches (`int`, *optional*): Vision patches per pack.
+        buffer_size (`int`, *optional*): `None` plans the whole input at once; `k` streams it in windows of k samples.
 
     Returns:
         `list[list[int]]`: packs of indices into `lengths`. A sample over a budget on its own is in no pack;
@@ -585,10 +550,8 @@ def padded_fill_at_batch(lengths: IntArray, batch_size: int = 8) -> float:
     """Slot utilisation of padded batches of `batch_size` consecutive samples: Σ length / Σ (rows × longest).
 
     Args:
-        lengths (`Sequence[int]` or `np.ndarray`):
-            Token counts in the order they would be batched.
-        batch_size (`int`, *optional*, defaults to 8):
-            Samples per padded batch (the last one may be smaller).
+        lengths (`Sequence[int]` or `np.ndarray`): Token counts in the order they would be batched.
+        batch_size (`int`, *optional*, defaults to 8): Samples per padded batch (the last one may be smaller).
 
     Returns:
         `float`: utilisation in [0, 1] (1.0 for empty input).
@@ -609,16 +572,11 @@ def pack_stats(packs: Sequence[Sequence[int]], lengths: IntArray, max_length: in
     """Summary statistics of a plan.
 
     Args:
-        packs (`Sequence[Sequence[int]]`):
-            Packs as returned by [`plan_packs`].
-        lengths (`Sequence[int]` or `np.ndarray`):
-            Token count per sample (the `lengths` the plan was made from).
-        max_length (`int`):
-            Token budget per pack.
-        images (`Sequence[int]` or `np.ndarray`, *optional*):
-            Image count per sample, for the per-pack image statistics.
-        batch_size (`int`, *optional*, defaults to 8):
-            Batch size of the padded baseline.
+        packs (`Sequence[Sequence[int]]`): Packs as returned by [`plan_packs`].
+        lengths (`Sequence[int]` or `np.ndarray`): Token count per sample (the `lengths` the plan was made from).
+        max_length (`int`): Token budget per pack.
+        images (`Sequence[int]` or `np.ndarray`, *optional*): Image count per sample, for the per-pack image statistics.
+        batch_size (`int`, *optional*, defaults to 8): Batch size of the padded baseline.
 
     Returns:
         `dict`: `num_packs`, `num_samples` (packed), `dropped` (samples in no pack), `fill` (Σ packed tokens /
