@@ -21,9 +21,10 @@ when it can take no more images/patches; beyond `max_open_bins` the fullest clos
 O(buffer_size + max_open_bins).
 
 Trade-off (`benchmarks/RESULTS.md`, one core, buffer 1000): streaming BFD fills 0.9995 of the slots on a
-LLaVA-665k-like mix at 8k (whole-dataset BFD: 0.9997) and 0.9954 on 1-4-page documents at 16k (0.9960), at
-0.6-1.8M samples/s, 20-40x TRL's BFD. Re-planning buys +0.1% fill on documents (0.9943 -> 0.9954).
-`"next_fit"` keeps input order (streaming equals whole-dataset) but wastes 5% of every step at 8k (0.948).
+LLaVA-665k-like mix at 8k (whole dataset: 0.9997, no carry-over: 0.9934) and 0.9954 on 1-4-page documents at
+16k (whole dataset: 0.9960, no re-planning: 0.9943), at 25-57x the samples/s of TRL's BFD in the same run.
+Re-planning costs 4-38% of that speed, image/patch budgets 23-50% while they do not bind and 35-92% when they
+do. `"next_fit"` keeps input order (streaming equals whole-dataset) but wastes 5% of every step at 8k (0.948).
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ class StreamingPlanner:
                  max_open_bins: int | None = None, close_threshold: int | None = None, repack_windows: int = 2,
                  repack_budget: int | None = None) -> None:
         if strategy not in STRATEGIES:
-            raise ValueError(f"Unknown `strategy`={strategy!r}; valid strategies are {str(STRATEGIES)[1:-1]}.")
+            valid = ", ".join(map(repr, STRATEGIES))
+            raise ValueError(f"Unknown `strategy`={strategy!r}; valid strategies are {valid}.")
         self.strategy = strategy
         self.max_length: int = _check_int("max_length", max_length, minimum=1)
         self.max_images: int | None = _check_int("max_images", max_images, minimum=0, allow_none=True)

@@ -167,8 +167,8 @@ def test_bfd_searches_past_the_tightest_candidates(budget: str) -> None:
     # of 10 (room 10). The 5-token sample with media skips all ten: past the candidates checked first, the
     # exact tree query finds the pack.
     lengths, media = [12] * 10 + [10, 5], [1] * 10 + [0, 1]
-    kw = {"images": media, "max_images": 1} if budget == "images" else {"vision_patches": media, "max_vision_patches": 1}
-    packs = plan_packs(lengths, max_length=20, **kw)  # type: ignore[arg-type]
+    names = ("images", "max_images") if budget == "images" else ("vision_patches", "max_vision_patches")
+    packs = plan_packs(lengths, max_length=20, **dict(zip(names, (media, 1))))  # type: ignore[arg-type]
     assert packs == [[i] for i in range(10)] + [[10, 11]]
 
 
@@ -399,7 +399,8 @@ def _reference_bfd(p: dict) -> list[list[int]]:
         t, im, pa = size[i]
         if t > ml or (mi is not None and im > mi) or (mp is not None and pa > mp):
             continue
-        fits = [b for b in bins if b[1] + t <= ml and (mi is None or b[2] + im <= mi) and (mp is None or b[3] + pa <= mp)]
+        fits = [b for b in bins
+                if b[1] + t <= ml and (mi is None or b[2] + im <= mi) and (mp is None or b[3] + pa <= mp)]
         if fits:
             b = min(fits, key=lambda b: ml - b[1])  # min keeps the first (oldest) among equal room
             b[0].append(i)
