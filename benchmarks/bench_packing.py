@@ -25,9 +25,10 @@ only plans numbers: items/s compare the two *as users call them*, not the same a
 Planner, TRL and collator arms are single-threaded (``torch.set_num_threads(1)``, ``pyarrow.set_cpu_count(1)``);
 the end-to-end data path is pinned to one core (``os.sched_setaffinity``), producer thread included.
 
-Also: `VisionCollator` latency per 8k-token pack (pre-processed tensors, no image processing) in ``rows``
-and ``flat`` mode, and, when ``hf_packing.stream.pack_dataset`` exists, the end-to-end data path
-(JPEG decode + tiny Qwen2.5-VL processor + planning + collation) in samples/s.
+Also: streaming BFD variants (``VARIANTS``: without re-planning, without carry-over, with image/patch budgets that do
+not bind and with a ``max_images`` that does); `VisionCollator` latency per 8k-token pack (pre-processed tensors, no
+image processing) in ``rows`` and ``flat`` mode; and, when ``hf_packing.stream.pack_dataset`` exists, the end-to-end
+data path (JPEG decode + tiny Qwen2.5-VL processor + planning + collation) in samples/s.
 
 Run: ``python benchmarks/bench_packing.py`` (about 5 minutes; ``--quick`` for a smoke run).
 """
@@ -54,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "qwen2_5_vl"
 TARGET_FILL = 0.995
 TARGET_ITEMS_PER_S = 500_000
+TARGET_VS_TRL = 20.0
 TARGET_COLLATOR_MS = 5.0
 TARGET_E2E_PER_CORE = 50.0
 
@@ -199,7 +201,7 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
     from hf_packing.planner import STRATEGIES, pack_stats, padded_fill_at_batch, plan_packs
 
     trl_pack = None if skip_trl else _trl_pack()
-    rows, checks = [], {"fill": [], "speed": []}
+    rows, checks = [], {"fill": [], "speed": [], "trl": {}}
     for mix_name, mix in mixes.items():
         for ml in max_lengths:
             all_lengths = mix["lengths"]
@@ -264,6 +266,8 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
                     fill, num_packs = results[(kind, None if buf == "None" else int(buf))]
                     label = f"plan_packs {kind}"
                 rate = n / med
+                if kind == "trl":  # keyed like the planner arm it is compared with
+                    checks["trl"][(mix_name, ml, "whole dataset" if buf == "None" else f"buffer {buffer}")] = rate
                 rows.append([mix_name, str(ml), label, buf_label, f"{fill:.5f}", str(num_packs),
                              f"{rate / 1e3:,.0f}k", f"{med * 1e3:,.1f}"])
                 if kind == "bfd" and buf != "None":
@@ -277,6 +281,62 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
             print(f"[packing] {mix_name} @ {ml}: done", flush=True)
     table = C.md_table(["mix", "max_length", "arm", "window", "fill", "packs", "items/s", "median ms"], rows)
     return table, checks
+
+
+def vision_patches(mix: dict[str, np.ndarray]) -> np.ndarray:
+    """Σ t·h·w vision patches per sample: 4 per image token (2x2 merge); image tokens = total - text - 2 per image."""
+    return 4 * (mix["lengths"] - mix["text"] - 2 * mix["images"])
+
+
+#: streaming BFD variants: what re-planning, carry-over and image/patch budgets cost or buy; each gets the kept
+#: lengths and images and the max_length
+VARIANTS: dict[str, Callable[[np.ndarray, np.ndarray, int], dict[str, Any]]] = {
+    "default (re-planning, carry-over)": lambda lengths, images, ml: {},
+    "no re-planning (repack_windows=0)": lambda lengths, images, ml: {"repack_windows": 0},
+    "no carry-over (max_open_bins=0)": lambda lengths, images, ml: {"max_open_bins": 0},
+    "media budgets set, not binding": lambda lengths, images, ml: {"max_images": 64, "max_vision_patches": 64 * ml},
+    # about the mean images per full pack (so it binds), but never below one sample's images (none dropped)
+    "max_images binding": lambda lengths, images, ml: {
+        "max_images": max(round(images.sum() * ml / lengths.sum()), int(images.max())), "max_vision_patches": 64 * ml},
+}
+
+
+def variants_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[int], *, warmup: int, repeats: int,
+                     buffer: int) -> str:
+    """Fill and items/s of streaming BFD variants (`VARIANTS`), interleaved like the main table."""
+    from hf_packing.planner import StreamingPlanner, pack_stats
+
+    rows = []
+    for mix_name, mix in mixes.items():
+        for ml in max_lengths:
+            keep = mix["lengths"] <= ml
+            lengths, images, patches = mix["lengths"][keep], mix["images"][keep], vision_patches(mix)[keep]
+            results: dict[str, tuple[float, int]] = {}
+
+            def arm(name: str, kwargs: dict[str, Any]) -> Callable[[], float]:
+                def run() -> float:
+                    gc.collect()
+                    planner = StreamingPlanner(max_length=ml, buffer_size=buffer, **kwargs)
+                    media = {"images": images, "patches": patches} if "max_images" in kwargs else {}
+                    t0 = time.perf_counter()
+                    packs = planner.extend(lengths, **media) + planner.flush()
+                    dt = time.perf_counter() - t0
+                    stats = pack_stats(packs, lengths, ml)
+                    results[name] = (stats["fill"], stats["num_packs"])
+                    return dt
+                return run
+
+            kwargs = {name: make(lengths, images, ml) for name, make in VARIANTS.items()}
+            times = C.interleaved({name: arm(name, kw) for name, kw in kwargs.items()}, warmup=warmup, repeats=repeats)
+            for name, ts in times.items():
+                fill, num_packs = results[name]
+                med = C.median(ts)
+                label = name.replace("max_images", f"max_images={kwargs[name].get('max_images')}")
+                rate = len(lengths) / med
+                rows.append([mix_name, str(ml), label, f"{fill:.5f}", str(num_packs), f"{rate / 1e3:,.0f}k",
+                             f"{med * 1e3:,.1f}"])
+    return C.md_table(["mix", "max_length", "streaming BFD, buffer " + str(buffer), "fill", "packs", "items/s",
+                       "median ms"], rows)
 
 
 def buffer_sweep(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[int],
@@ -636,6 +696,8 @@ def main(argv: list[str] | None = None) -> None:
     planner_table, checks = planner_section(mixes, args.max_lengths, warmup=args.warmup, repeats=args.repeats,
                                             buffer=args.buffer_size, skip_trl=args.skip_trl)
     sweep_table, smallest_buffer = buffer_sweep(mixes, args.max_lengths)
+    variants_table = variants_section(mixes, args.max_lengths, warmup=args.warmup, repeats=args.repeats,
+                                      buffer=args.buffer_size)
     collator_table, collator_ms, collator_tuned = ("(skipped)", {}, {}) if args.skip_collator else collator_tables(args.collator_calls)
     e2e_body, _ = ("(skipped)", None) if args.skip_e2e else e2e_section(args.e2e_samples)
 
@@ -654,6 +716,11 @@ def main(argv: list[str] | None = None) -> None:
     speed_ok = all(r >= TARGET_ITEMS_PER_S for *_, r in stream_bfd)
     speed_text = ", ".join(f"{m}@{ml}: {r / 1e3:,.0f}k" for m, ml, r in stream_bfd)
     slow = sorted({f"{k} ({b})" for m, ml, k, b, r in checks["speed"] if r < TARGET_ITEMS_PER_S})
+    vs_trl = [(m, ml, b, r / checks["trl"][(m, ml, b)]) for m, ml, k, b, r in checks["speed"]
+              if k == "bfd" and (m, ml, b) in checks["trl"]]
+    trl_ok = all(x >= TARGET_VS_TRL for *_, x in vs_trl) if vs_trl else None
+    trl_text = ", ".join(f"{m}@{ml} {'whole' if b == 'whole dataset' else 'streaming'}: {x:.0f}x"
+                         for m, ml, b, x in vs_trl)
     headline = [k for k in collator_ms if k.startswith("10 samples") and "no pixel" not in k and "positions" not in k]
     coll_ok = all(collator_ms[k] <= TARGET_COLLATOR_MS for k in headline) if headline else None
     tuned_ok = (all(collator_tuned[k] <= TARGET_COLLATOR_MS for k in headline)
@@ -685,10 +752,15 @@ Padded batches of 8: Σ tokens / Σ (8 × longest in batch), input order.
 Targets:
 - streaming BFD (buffer {args.buffer_size}) fill >= {TARGET_FILL}: **{verdict(fill_ok)}** ({fill_text}).{unreachable}
 - planner >= {TARGET_ITEMS_PER_S / 1e3:,.0f}k items/s on one core, streaming BFD: **{verdict(speed_ok)}** ({speed_text}). Arms below the target: {", ".join(slow) if slow else "none"}.
+- BFD >= {TARGET_VS_TRL:.0f}x TRL's BFD items/s in the same run (buffer {args.buffer_size} vs TRL's default map batch of 1000; whole dataset vs `batch_size=None`): **{verdict(trl_ok)}** ({trl_text or "TRL not run"}).
 
 Streaming BFD fill against the window size (`buffer_size`):
 
 {sweep_table}
+
+Streaming BFD variants (same interleaving; the media rows plan with per-sample image counts and vision patches, 4 per image token; the binding `max_images` is about the mean images per full pack, at least the most of one sample, so none is dropped):
+
+{variants_table}
 
 ### VisionCollator latency per 8k-token pack (CPU, no image processing)
 

@@ -7,6 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
+from .planner import STRATEGIES
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-packing", description=__doc__)
@@ -19,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dataset", help="saved datasets dir or json/jsonl/parquet (default: generated)")
     demo.add_argument("--num-samples", type=int, default=320)
     demo.add_argument("--max-length", type=int, default=2048)
-    demo.add_argument("--strategy", default="bfd", choices=["next_fit", "ffd", "bfd", "balanced"])
+    demo.add_argument("--strategy", default="bfd", choices=STRATEGIES)
     demo.add_argument("--epochs", type=int, default=2)
     demo.add_argument("--learning-rate", type=float, default=3e-3)
     demo.add_argument("--seed", type=int, default=0)
@@ -28,8 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("data", help="local json/jsonl/parquet/arrow file(s) or a saved datasets dir")
     stats.add_argument("--processor", required=True, help="local processor dir")
     stats.add_argument("--max-length", type=int, required=True)
-    stats.add_argument("--strategy", nargs="+", default=["next_fit", "ffd", "bfd", "balanced"],
-                       choices=["next_fit", "ffd", "bfd", "balanced"])
+    stats.add_argument("--strategy", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     stats.add_argument("--buffer-size", type=int, default=1000)
     stats.add_argument("--max-images", type=int)
     stats.add_argument("--max-vision-patches", type=int)

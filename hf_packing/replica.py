@@ -91,8 +91,7 @@ class Replica:
         self.pre = next(iter(self.pres.values()))
         self.check_yield = True  # off when resuming a state saved before sources' kept rows were counted
         self.planner = StreamingPlanner(max_length=cfg.max_length, strategy=cfg.strategy, max_images=cfg.max_images,
-                                        max_vision_patches=cfg.max_vision_patches, buffer_size=cfg.buffer_size,
-                                        seed=cfg.seed)
+                                        max_vision_patches=cfg.max_vision_patches, buffer_size=cfg.buffer_size)
         self.rows: dict[int, tuple[dict[str, Any], int | None, str | None]] = {}  # seq -> (row, planned tokens, source)
         self.unassigned: list[list[int]] = []  # closed packs waiting for a full group of `world`
         self.next_group, self.costs = 0, [0] * world

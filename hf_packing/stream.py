@@ -350,7 +350,7 @@ def pack_dataset(
             per source; each source keeps its own format. Rows are not shuffled here: shuffle `ds` first.
         processor: the model's processor (Qwen2-VL, Qwen2.5-VL and Qwen3-VL families).
         max_length (`int`, defaults to 8192): token budget per pack.
-        strategy (`str`, defaults to `"bfd"`): `"bfd"`, `"ffd"`, `"next_fit"` or `"balanced"` (see `planner.py`).
+        strategy (`str`, defaults to `"bfd"`): `"bfd"` or `"next_fit"` (see `planner.py`).
         max_images (`int`, *optional*, defaults to 16): images per pack; a sample with more is skipped.
         max_vision_patches (`int`, *optional*, defaults to 65536): Σ t·h·w per pack (bounds the vision tower's memory).
         buffer_size (`int`, defaults to 1000): planner window (memory ≈ window + open packs, in rows).

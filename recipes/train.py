@@ -85,7 +85,7 @@ class DataArguments:
 @dataclass
 class PackingArguments:
     max_length: int = field(default=8192, metadata={"help": "tokens per pack"})
-    strategy: str = field(default="bfd", metadata={"help": "next_fit | ffd | bfd | balanced"})
+    strategy: str = field(default="bfd", metadata={"help": "bfd | next_fit"})
     max_images: int | None = field(default=16, metadata={"help": "images per pack (pack_dataset's default)"})
     max_vision_patches: int | None = field(
         default=65536, metadata={"help": "Σ t·h·w vision patches per pack: bounds the vision tower's memory"}
