@@ -207,3 +207,35 @@ def test_ddp_with_an_unsupervised_micro_batch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = json.loads(out.read_text())["losses"]
     assert losses[0] > 0 and losses[1] == 0.0
+
+
+def _recipe_setups() -> set[tuple[str, bool, bool]]:
+    """(dtype, bf16, activation checkpointing) of every GPU recipe config in recipes/configs."""
+    from pathlib import Path
+
+    import yaml
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "recipes" / "configs").glob("qwen*.yaml"))
+    assert configs
+    setups = set()
+    for path in configs:
+        config = yaml.safe_load(path.read_text())
+        checkpointing = config.get("activation_checkpointing", config.get("gradient_checkpointing", False))
+        setups.add((config["dtype"], bool(config.get("bf16")), bool(checkpointing)))
+    return setups
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_recipes_precision_setup_through_strict_flash_attn(model_type, monkeypatch):
+    """Exactly what recipes/configs/qwen*.yaml run: fp32 weights, bf16 autocast, non-reentrant activation
+    checkpointing, attn_implementation sdpa with attn_backend auto (flash_attn where installed)."""
+    assert _recipe_setups() == {("float32", True, True)}, "a recipe changed its precision setup: test that one"
+
+    def checkpointed(model):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.train()
+
+    ref, plain, patched, calls, _ = _three_runs(model_type, monkeypatch, "flash_attn", autocast=True,
+                                                prepare=checkpointed)
+    assert_within_2x(ref, plain, patched, f"{model_type}/recipe setup")
+    assert True in calls and False in calls
