@@ -31,30 +31,34 @@ import numpy as np
 import torch
 
 from .formats import FORMATS, normalize_row, row_fps
-from .images import REASONS, ImageLoader, OverlongError, SampleError
+from .images import MAX_IMAGE_PIXELS, REASONS, ImageLoader, OverlongError, SampleError
 from .loss import IGNORE_INDEX
 
 logger = logging.getLogger("hf_packing")
 
 
 META_COLUMNS = ("hfp_num_tokens", "hfp_num_images", "hfp_vision_patches", "hfp_skip")
-__all__ = ["META_COLUMNS", "REASONS", "OverlongError", "Preprocessor", "SampleError", "SampleMeta", "SkipCounter",
-           "normalize_row"]
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+__all__ = ["META_COLUMNS", "REASONS", "VISION_KEYS", "OverlongError", "Preprocessor", "SampleError", "SampleMeta",
+           "SkipCounter", "normalize_row"]
 _CHATML = re.compile(r"<\|im_start\|>assistant\n.*?<\|im_end\|>", re.S)
 
 
 class SkipCounter(Counter):
-    """A `Counter` of skip reasons that logs the first occurrence of each reason (with the sample id) once."""
+    """A `Counter` of skipped samples by reason (or by `key`, e.g. `(source, reason)`) that logs the first skip of each
+    key once, with the sample id."""
 
     def __init__(self, *args: Any, log: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.log = log
 
-    def record(self, reason: str, index: Any, message: str, *, exc_info: BaseException | None = None) -> None:
-        if self[reason] == 0 and self.log:
+    def record(self, reason: str, index: Any, message: str, *, key: Any = None,
+               exc_info: BaseException | None = None) -> None:
+        key = reason if key is None else key
+        if self[key] == 0 and self.log:
             logger.warning("skipping sample %s (%s): %s. Further %r skips are only counted (see stats()).",
                            index, reason, message, reason, exc_info=exc_info)
-        self[reason] += 1
+        self[key] += 1
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ class Preprocessor:
 
     def __init__(self, processor: Any, *, max_length: int | None = None, media_root: str | os.PathLike | None = None,
                  video_root: str | os.PathLike | None = None, fps: float | None = None, row_format: str = "auto",
-                 train_on: str = "assistant", on_overlong: str = "drop", max_image_pixels: int = 89_478_485,
+                 train_on: str = "assistant", on_overlong: str = "drop", max_image_pixels: int = MAX_IMAGE_PIXELS,
                  image_root: str | os.PathLike | None = None) -> None:
         if media_root is not None and image_root is not None:
             raise ValueError("image_root is the former name of media_root: pass one of them")
@@ -144,6 +148,18 @@ class Preprocessor:
         except SampleError as err:
             return dict(zip(META_COLUMNS, (-1, 0, 0, err.reason), strict=True))
         return dict(zip(META_COLUMNS, (meta.num_tokens, meta.num_images, meta.vision_patches, ""), strict=True))
+
+    def planned_meta(self, row: Mapping[str, Any], index: Any = None) -> SampleMeta:
+        """What the planner uses: the row's [`META_COLUMNS`] when it has them, else [`estimate`]. Columns computed with
+        `max_length=None` follow this preprocessor's `on_overlong` here; a `truncate_text` cut through an image is
+        found when the sample is processed (reason `"overlong_vision"`)."""
+        if META_COLUMNS[0] not in row:
+            return self.estimate(row, index)
+        tokens, images, patches, skip = (row[c] for c in META_COLUMNS)
+        if skip:
+            raise SampleError(skip, f"refused when the metadata columns were computed ({skip})")
+        tokens = self._truncate(index, np.array([tokens]), np.zeros(1, bool), np.ones(1, bool))
+        return SampleMeta(tokens, images, patches)
 
     def _prepare(self, row: Mapping[str, Any], index: Any) -> _Prepared:
         messages, images, videos = normalize_row(row, index, row_format=self.row_format)
@@ -255,7 +271,8 @@ class Preprocessor:
             raise SampleError("bad_aspect_ratio", str(err)) from None
 
     # ------------------------------------------------------------------------------------------------ samples
-    def process(self, row: Mapping[str, Any], index: Any = None, *, planned_tokens: int | None = None) -> dict[str, Any]:
+    def process(self, row: Mapping[str, Any], index: Any = None, *, planned_tokens: int | None = None,
+                ) -> dict[str, Any]:
         """Full processing: decode pixels, run the processor, build labels, truncate, check the planned length.
 
         Args:
@@ -287,9 +304,10 @@ class Preprocessor:
         supervised = torch.from_numpy(np.repeat(prep.supervised, prep.repeats))
         sample: dict[str, Any] = {
             "input_ids": ids[:n], "labels": ids.masked_fill(~supervised, IGNORE_INDEX)[:n],
-            "attention_mask": torch.ones(n, dtype=torch.long), "mm_token_type_ids": out["mm_token_type_ids"][0, :n].long(),
+            "attention_mask": torch.ones(n, dtype=torch.long),
+            "mm_token_type_ids": out["mm_token_type_ids"][0, :n].long(),
         }
-        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        for key in VISION_KEYS:
             if out.get(key) is not None:
                 sample[key] = out[key]
         sample["num_tokens"], sample["index"] = n, index
