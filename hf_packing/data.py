@@ -7,9 +7,10 @@ same conversation gives the same sample in either format.
 [`Preprocessor.estimate`] counts a sample's tokens without decoding pixels: the chat template is rendered and
 tokenized with ONE placeholder token per image, image sizes come from file headers (`PIL.Image.open` is lazy), and
 the processor's own `get_number_of_image_patches` (Qwen's `smart_resize`: 28 px cells on Qwen2/2.5-VL, 32 px on
-Qwen3-VL) gives each image's `patches / merge**2` tokens. That costs 0.1-1 ms per sample (template, tokenizer, header)
-against ~8-50 ms for a full [`Preprocessor.process`] (decode, convert, resize, patchify), which runs only for samples
-placed in a pack and checks that the processed length equals the estimate. [`Preprocessor.metadata_columns`] stores
+Qwen3-VL) gives each image's `patches / merge**2` tokens. With the tiny test processors and 256-1024 px JPEGs that
+costs ~1.5 ms of CPU per sample (template, tokenizer, headers) against ~26 ms for a full [`Preprocessor.process`]
+(decode, convert, resize, patchify), which runs only for samples placed in a pack and checks that the processed length
+equals the estimate. [`Preprocessor.metadata_columns`] stores
 the estimate as columns (one `ds.map`), so a large run plans from columns instead.
 
 Bad input raises [`SampleError`] with a `reason` from [`REASONS`]; the caller skips and counts it (see
@@ -158,7 +159,8 @@ class Preprocessor:
         tokens, images, patches, skip = (row[c] for c in META_COLUMNS)
         if skip:
             raise SampleError(skip, f"refused when the metadata columns were computed ({skip})")
-        tokens = self._truncate(index, np.array([tokens]), np.zeros(1, bool), np.ones(1, bool))
+        if self.max_length is not None and tokens > self.max_length:
+            tokens = self._truncate(index, np.array([tokens]), np.zeros(1, bool), np.ones(1, bool))
         return SampleMeta(tokens, images, patches)
 
     def _prepare(self, row: Mapping[str, Any], index: Any) -> _Prepared:

@@ -17,30 +17,30 @@ How it works, without any collective:
    one's tokens / images / patches from text and image headers ([`~hf_packing.data.Preprocessor.estimate`]) and
    feeds the same deterministic [`~hf_packing.planner.StreamingPlanner`] (windows of `buffer_size`), so all replicas
    see the same global sequence of packs. BFD over a 1,000-sample window loses < 0.05% fill against whole-dataset.
-2. **Ranks.** Consecutive packs form groups of `world_size`; each rank gets exactly one pack per group, the most
-   expensive pack to the rank with the least cumulative cost, where a pack costs Σ (n + n² // 65,536) over its
-   samples' lengths n (dense FLOPs ∝ n, attention ∝ n²; the two are equal near n ≈ N / (layers · hidden), ~65k for
-   a 7B model). Every rank yields exactly as many packs as the others whatever the shard sizes; a final incomplete
-   group is left over and counted in `stats()` (never silently lost), or, with `leftovers="spread"` (for eval sets,
-   where every sample must count once), handed out one pack per rank, ranks past its end getting a 1-token
-   unsupervised filler.
+2. **Ranks.** Consecutive packs form groups of `world_size`; each rank gets one pack per group, the costliest to the
+   rank with the least cumulative cost, where a pack costs Σ (n + n² // 65,536) over its samples' lengths n (dense
+   FLOPs ∝ n, attention ∝ n²; equal near n ≈ N / (layers · hidden), ~65k for a 7B model). Every rank yields as many
+   packs as the others whatever the shard sizes; a final incomplete group is left over and counted in `stats()`, or,
+   with `leftovers="spread"` (eval sets: every sample counts once), handed out one pack per rank, the ranks past
+   its end getting a 1-token unsupervised filler.
 3. **Workers.** DataLoader worker w of W takes the rank's packs j with (j // batch_size) % W == w; the DataLoader
    interleaves workers round-robin, so the batches are the same, in the same order, for any `num_workers`. Only a
    worker's own packs get pixel processing ([`~hf_packing.data.Preprocessor.process`]), which checks the processed
    length against the planned one.
-4. **Producer thread.** Reading, planning and pixel work run in a background thread (torch ops single-threaded
-   there) feeding a queue of `prefetch` packs; its exceptions re-raise in the consumer; it stops when the iterator
-   is closed or garbage-collected. A bad row is skipped and counted, never fatal (unless `on_error="raise"`).
+4. **Producer thread.** Reading, planning and pixel work run in a background thread feeding a queue of `prefetch`
+   packs; its exceptions re-raise in the consumer; it stops when the iterator is closed or garbage-collected. A bad
+   row is skipped and counted ([`PackStats`]), never fatal (unless `on_error="raise"`).
 5. **Resume.** `state_dict()` is the state after the last pack *yielded*: the planner's open packs, the packs
    planned but not yet assigned, the rank costs, the counters, and the source position (`datasets` state_dict or a
    row number) of the oldest row still held plus the row where planning continues. Loading it re-reads only that
    span (typically a few windows) and continues with exactly the packs of an uninterrupted run.
 
 The price of agreeing without communication is that every replica plans every row: per rank, W · N estimates
-against N / R pixel jobs. Measured on 2 busy cores with the tiny processors and 256-1024 px JPEGs: an estimate
-costs 0.4-1 ms per row, a processed sample ~8-15 ms. Past a few ranks, compute the lengths once instead:
+against N / R pixel jobs. With the tiny test processors and 256-1024 px JPEGs, one thread, an estimate costs
+~1.5 ms of CPU per row and a processed sample ~26 ms. Past a few ranks, compute the lengths once instead:
 `ds.map(Preprocessor(...).metadata_columns, with_indices=True, num_proc=...)`; planning then reads those columns
-only (~120k rows/s for a `datasets.Dataset`), and stale values are caught when a sample is processed.
+(~70k rows/s of one core for a `datasets.Dataset`, ~9k streamed), and stale values are caught when a sample is
+processed.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class PackStats:
     and into `state_dict()`, as [`~PackStats.to_row`].
     """
 
-    sources: tuple[str | None, ...]
+    sources: Sequence[str | None]  # the names of a mix; empty or `(None,)` for a single dataset
     rows: Counter = dataclasses.field(default_factory=Counter)  # source -> rows read
     kept: Counter = dataclasses.field(default_factory=Counter)  # source -> rows planned
     planning_skips: SkipCounter = dataclasses.field(default_factory=SkipCounter)  # (source, reason) -> rows
@@ -142,6 +142,9 @@ class PackStats:
     processing_skips: SkipCounter = dataclasses.field(default_factory=SkipCounter)  # reason -> samples
 
     _YIELDED = ("packs", "samples", "tokens", "images", "processing_skips")
+
+    def __post_init__(self) -> None:
+        self.sources = tuple(self.sources) or (None,)
 
     def add_padded(self, tokens: int) -> None:
         """Counts a kept row into the padded-batch baseline (integers, so it resumes with the other counters)."""
@@ -177,7 +180,7 @@ class PackStats:
         return stats
 
     @classmethod
-    def merge(cls, sources: tuple[str | None, ...], rows: np.ndarray) -> PackStats:
+    def merge(cls, sources: Sequence[str | None], rows: np.ndarray) -> PackStats:
         """One rank's stats from its replicas' rows (one per row of `rows`): planning counters by max (the same on
         every replica: the one furthest along), yielded work summed."""
         yielded = [name in cls._YIELDED for name, keys in cls(sources)._layout() for _ in keys or [None]]
@@ -185,31 +188,28 @@ class PackStats:
 
 
 class _Replica:
-    """The planner replica of (`rank`, `worker`): reads every row, plans, assigns packs to ranks, processes its own.
+    """The planner replica of (`dataset`'s rank, `worker`): reads every row, plans, assigns packs to ranks, processes
+    its own. Every replica reads the same rows and makes the same decisions, so replicas agree without communicating.
+    `position` is a saved [`~_Replica.position`] to resume from."""
 
-    Every replica reads the same rows and makes the same decisions, so replicas agree without communicating.
-    `position` is a saved [`~_Replica.position`] to resume from; `log` logs the first skip of each reason found while
-    planning (one replica per run should).
-    """
-
-    def __init__(self, cfg: PackConfig, processor: Any, source: Any, *, sources: list[str], epoch: int, rank: int,
-                 world: int, worker: int, workers: int, position: dict[str, Any] | None = None, log: bool) -> None:
-        self.cfg, self.source, self.epoch = cfg, source, epoch
-        self.rank, self.world, self.worker, self.workers = rank, world, worker, workers
-        self.preprocessors = cfg.preprocessors(processor, sources)
+    def __init__(self, dataset: PackedDataset, worker: int, workers: int, position: dict[str, Any] | None) -> None:
+        cfg = self.cfg = dataset.cfg
+        self.source, self.epoch, (self.rank, self.world) = dataset._source, dataset._epoch, dataset._rank_world()
+        self.worker, self.workers = worker, workers
+        self.preprocessors = cfg.preprocessors(dataset.processor, dataset._names)
         self.pad_id = next(iter(self.preprocessors.values())).tokenizer.pad_token_id or 0
         self.planner = StreamingPlanner(max_length=cfg.max_length, strategy=cfg.strategy, max_images=cfg.max_images,
                                         max_vision_patches=cfg.max_vision_patches, buffer_size=cfg.buffer_size)
         self.held: dict[int, tuple[dict[str, Any], int | None, str | None]] = {}  # row -> (row, tokens, source)
         self.unassigned: list[list[int]] = []  # closed packs waiting for a full group of `world`
-        self.next_group, self.rank_costs = 0, [0] * world
+        self.next_group, self.rank_costs = 0, [0] * self.world
         self.source_positions: dict[int, Any] = {0: None}  # row -> source position before it (from the oldest held)
         self.next_row, self.replay_until, self.replay = 0, 0, set()  # rows before replay_until: re-read, not planned
-        self.stats = PackStats(tuple(sources) or (None,))
+        self.stats = PackStats(dataset._names)
         self.stop = threading.Event()
         if position is not None:
             self._restore(position)
-        self.stats.planning_skips.log = log
+        self.stats.planning_skips.log = self.rank == 0 and worker == 0  # one replica per run logs planning skips
 
     # ------------------------------------------------------------------------------------------------ state
     def position(self, planner: dict[str, Any]) -> dict[str, Any]:
@@ -410,7 +410,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         self._source, self._names = make_source(ds, weights, cfg.seed, cfg.stopping_strategy)
         cfg.preprocessors(processor, self._names)  # validates the settings here rather than in a worker
         # one row per replica of this process: start and last-update times, then its PackStats row
-        width = 2 + len(PackStats(tuple(self._names) or (None,)).to_row())
+        width = 2 + len(PackStats(self._names).to_row())
         self._shared = torch.zeros((_MAX_SLOTS, width), dtype=torch.float64).share_memory_()
         self._next_start: dict[str, Any] | None = None  # a loaded state: where the next iteration starts
         self._state: dict[str, Any] | None = None  # after the last pack yielded, or where this iteration started
@@ -437,11 +437,6 @@ class PackedDataset(torch.utils.data.IterableDataset):
     def _header(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "config": self._config(), "epoch": self._epoch}
 
-    def _replica(self, worker: int, workers: int, position: dict[str, Any] | None = None) -> _Replica:
-        rank, world = self._rank_world()
-        return _Replica(self.cfg, self.processor, self._source, sources=self._names, epoch=self._epoch, rank=rank,
-                        world=world, worker=worker, workers=workers, position=position, log=rank == 0 and worker == 0)
-
     def set_epoch(self, epoch: int) -> None:
         """Passes `epoch` to a `datasets.IterableDataset` source (reshuffles its shards if it was shuffled)."""
         self._epoch = int(epoch)
@@ -458,7 +453,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
             if start[key] != value:
                 raise ValueError(f"state was saved with {key}={start[key]} but this run has {key}={value}; resume "
                                  f"with the same {key} (DataLoader num_workers, torch.distributed world)")
-        replica = self._replica(where["worker"], where["num_workers"], position)
+        replica = _Replica(self, where["worker"], where["num_workers"], position)
         self._state = start  # now, not at the first next(): state_dict() right after iter() describes this pass
         return self._iterate(replica, position, where, in_worker=info is not None)
 
@@ -560,7 +555,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         table = self._shared.numpy().copy()
         used = table[table[:, 0] > 0]
         used = used if len(used) else table[:1]
-        stats = PackStats.merge(tuple(self._names) or (None,), used[:, 2:])
+        stats = PackStats.merge(self._names, used[:, 2:])
         packs, samples, tokens = stats.packs, sum(stats.samples.values()), stats.tokens
         elapsed = max(float(used[:, 1].max() - used[:, 0].min()), 1e-9)
         planning: Counter = Counter()
@@ -593,11 +588,12 @@ class PackedDataset(torch.utils.data.IterableDataset):
     def count_packs(self, *, disable_progress: bool | None = None) -> int:
         """Plans the whole source here from metadata (no pixels; tqdm bar on rank 0) and returns the packs per rank.
 
-        Afterwards `len()` works. Costs one metadata pass (~0.1-0.3 ms per row on one core).
+        Afterwards `len()` works. Costs one metadata pass (see the module docstring: an estimate per row, unless the
+        rows carry precomputed metadata columns).
         """
         from tqdm.auto import tqdm
 
-        replica = self._replica(0, 1)
+        replica = _Replica(self, 0, 1, None)
         disable = self.cfg.disable_progress if disable_progress is None else disable_progress
         with tqdm(total=self._source.size, desc="hf_packing: planning", unit=" rows",
                   disable=disable or replica.rank != 0 or not sys.stderr.isatty()) as bar:
@@ -610,6 +606,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
             raise TypeError("the number of packs is unknown until planned: call count_packs() (a metadata-only pass) "
                             "or set max_steps")
         return self._len
+
+
 def pack_dataset(
     ds: Any,
     processor: Any,
@@ -688,12 +686,9 @@ def pack_dataset(
     >>> loader = DataLoader(train, batch_size=1, num_workers=4, collate_fn=VisionCollator(processor))
     ```
     """
+    settings = dict(locals())  # first: only the arguments
     if image_root is not None and media_root is not None:
         raise ValueError("image_root is the former name of media_root: pass one of them")
-    cfg = PackConfig(max_length=max_length, strategy=strategy, max_images=max_images,
-                     max_vision_patches=max_vision_patches, buffer_size=buffer_size, seed=seed,
-                     media_root=image_root if media_root is None else media_root, video_root=video_root, fps=fps,
-                     row_format=row_format, train_on=train_on, on_overlong=on_overlong, on_error=on_error,
-                     prefetch=prefetch, batch_size=batch_size, stopping_strategy=stopping_strategy,
-                     max_image_pixels=max_image_pixels, disable_progress=disable_progress, leftovers=leftovers)
+    settings["media_root"] = image_root if media_root is None else media_root
+    cfg = PackConfig(**{field.name: settings[field.name] for field in dataclasses.fields(PackConfig)})
     return PackedDataset(ds, processor, cfg, weights=weights, rank=rank, world_size=world_size)
