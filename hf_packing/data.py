@@ -80,8 +80,7 @@ class _Prepared:
     ids: np.ndarray  # tokens of `text`, videos' placeholders expanded with each pad run compressed to one token
     repeats: np.ndarray  # how many tokens each of `ids` becomes in the processed sample
     supervised: np.ndarray  # bool per `ids` entry
-    num_tokens: int  # after truncation
-    meta: SampleMeta
+    meta: SampleMeta  # its `num_tokens` after truncation
 
 
 class Preprocessor:
@@ -89,23 +88,10 @@ class Preprocessor:
 
     Args:
         processor: a Qwen-VL processor (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`, `Qwen3VLProcessor`).
-        max_length (`int`, *optional*): token budget; longer samples follow `on_overlong`.
-        media_root (`str` or `Path`, *optional*): relative image and video paths resolve here; a path that escapes it
-            (`..`, absolute, symlink) is refused with reason `"path_outside_root"`. Without it paths are used as given.
-            `image_root` is its former name.
-        video_root (`str` or `Path`, *optional*): the root of video paths (frames) when it is not `media_root`.
-        fps (`float`, *optional*): the sampling rate of this source's video frames (a row's own `fps` wins); it
-            reaches the processor as `video_metadata` (Qwen2.5-VL `second_per_grid_ts`, Qwen3-VL timestamps).
-            Without it the processor assumes 24 fps.
+        max_length (`int`, *optional*): token budget (`None`: none); longer samples follow `on_overlong`.
+        media_root, video_root, fps, train_on, on_overlong, max_image_pixels: one source's value of the
+            [`~hf_packing.stream.pack_dataset`] setting of that name (`image_root`: `media_root`'s former name).
         row_format (`str`, defaults to `"auto"`): `"messages"`, `"llava"`, or `"auto"` per row (see `formats.py`).
-        train_on (`str`, defaults to `"assistant"`): `"assistant"` supervises each assistant turn's content and its
-            `<|im_end|>`; `"all"` every text token. Vision tokens (pads, `<|vision_start|>`/`<|vision_end|>`, video
-            timestamps) are never supervised.
-        on_overlong (`str`, defaults to `"drop"`): `"drop"` (reason `"overlong"`), `"error"` (raise `ValueError`) or
-            `"truncate_text"`: keep the first `max_length` tokens if every vision span ends inside them, else drop
-            (reason `"overlong_vision"`). Never cuts through an image.
-        max_image_pixels (`int`, defaults to 89,478,485): larger images (by their header) are refused (reason
-            `"image_too_large"`) before anything is decoded; PIL's decompression-bomb limit applies too.
     """
 
     def __init__(self, processor: Any, *, max_length: int | None = None, media_root: str | os.PathLike | None = None,
@@ -194,7 +180,7 @@ class Preprocessor:
         supervised &= ~vision
         num_tokens = self._truncate(index, repeats, vision, supervised)
         meta = SampleMeta(num_tokens, len(images), sum(img_patches) + sum(vid_patches[0]))
-        return _Prepared(text, images, videos, fps, ids, repeats, supervised, num_tokens, meta)
+        return _Prepared(text, images, videos, fps, ids, repeats, supervised, meta)
 
     def _supervised_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]] | None:
         """Character spans of assistant content + end-of-turn token in `text` (`None` = supervise everything)."""
@@ -300,7 +286,7 @@ class Preprocessor:
         expected = torch.from_numpy(np.repeat(prep.ids, prep.repeats))
         if ids.shape != expected.shape or not torch.equal(ids, expected):
             raise SampleError("length_mismatch", f"processed {ids.numel():,} tokens, estimated {expected.numel():,}")
-        n = prep.num_tokens
+        n = prep.meta.num_tokens
         if planned_tokens is not None and n != planned_tokens:
             raise SampleError("length_mismatch", f"processed {n:,} tokens, planned {planned_tokens:,}")
         supervised = torch.from_numpy(np.repeat(prep.supervised, prep.repeats))

@@ -20,9 +20,8 @@ How it works, without any collective:
 2. **Ranks.** Consecutive packs form groups of `world_size`; each rank gets one pack per group, the costliest to the
    rank with the least cumulative cost, where a pack costs Σ (n + n² // 65,536) over its samples' lengths n (dense
    FLOPs ∝ n, attention ∝ n²; equal near n ≈ N / (layers · hidden), ~65k for a 7B model). Every rank yields as many
-   packs as the others whatever the shard sizes; a final incomplete group is left over and counted in `stats()`, or,
-   with `leftovers="spread"` (eval sets: every sample counts once), handed out one pack per rank, the ranks past
-   its end getting a 1-token unsupervised filler.
+   packs whatever the shard sizes; a final incomplete group is left over (counted in `stats()`) or, with
+   `leftovers="spread"` (eval sets), handed out one pack per rank, with a 1-token filler for the ranks past its end.
 3. **Workers.** DataLoader worker w of W takes the rank's packs j with (j // batch_size) % W == w; the DataLoader
    interleaves workers round-robin, so the batches are the same, in the same order, for any `num_workers`. Only a
    worker's own packs get pixel processing ([`~hf_packing.data.Preprocessor.process`]), which checks the processed
@@ -114,13 +113,11 @@ class PackConfig:
 
 @dataclasses.dataclass
 class PackStats:
-    """The counters of one pass of one replica (a rank's DataLoader worker); a source is a name of the mix, `None` for
-    a single dataset, and a skip reason one of [`~hf_packing.data.REASONS`].
+    """The counters of one pass of one replica (a rank's DataLoader worker), by source and skip reason ([`REASONS`]).
 
-    The planning counters (rows to `batch_longest`) are the same on every replica, since each plans every row: replicas
-    merge them by max, the one furthest along. The rest is the replica's own yielded work, which adds up. Every
-    counter is an integer over fixed keys, so the stats travel from DataLoader workers as one row of a shared table,
-    and into `state_dict()`, as [`~PackStats.to_row`].
+    The planning counters (`rows` to `batch_longest`) are the same on every replica, since each plans every row; the
+    rest is the replica's own yielded work. Every counter is an integer over fixed keys, so the stats travel from
+    DataLoader workers as one row of a shared table, and into `state_dict()`, as [`~PackStats.to_row`].
     """
 
     sources: Sequence[str | None]  # the names of a mix; empty or `(None,)` for a single dataset
@@ -213,9 +210,8 @@ class _Replica:
 
     # ------------------------------------------------------------------------------------------------ state
     def position(self, planner: dict[str, Any]) -> dict[str, Any]:
-        """Where this replica stands, as plain data: `planner` is its planner's state (taken once per batch of closed
-        packs and shared by their positions, so a position costs no copy of the open packs), then the rows still
-        held (in an open or an unassigned pack) with the source position of the oldest one, the row where planning
+        """Where this replica stands, as plain data: `planner`, its planner's state (shared by the positions of one
+        batch of closed packs), the rows still held and the source position of the oldest, the row where planning
         continues, the packs not yet assigned, the group count, the rank costs and the [`PackStats`] row."""
         read_from = self._oldest()
         return {"planner": planner, "held": list(self.held), "read_from": read_from,
@@ -301,16 +297,11 @@ class _Replica:
         counter.record(reason, index, str(err) if known else f"{type(err).__name__}: {err}",
                        key=(source, reason) if planning else reason, exc_info=None if known else err)
 
-    def _owns(self, group: int) -> bool:
-        return (group // self.cfg.batch_size) % self.workers == self.worker
-
     def _assign_groups(self, packs: list[list[int]], put: Callable[[Any], bool] | None, *, spread: bool = False,
                        ) -> bool:
         """Assigns every full group of `world` closed packs, one pack per rank, and processes and `put`s this replica's.
-
         With `spread` (``leftovers="spread"``, at the end) the last incomplete group goes one pack per rank, in rank
-        order, and ranks past its end get an unsupervised 1-token filler: every pack is yielded once and all ranks
-        still take equal steps."""
+        order, ranks past its end getting a 1-token filler: every pack is yielded once and ranks take equal steps."""
         self.stats.planned_packs += len(packs)
         self.unassigned.extend(packs)
         self._prune()
@@ -321,7 +312,7 @@ class _Replica:
                 pack = self._assign(group)
             else:
                 pack = group[self.rank] if self.rank < len(group) else []
-            mine = put is not None and self._owns(self.next_group)
+            mine = put is not None and (self.next_group // self.cfg.batch_size) % self.workers == self.worker
             self.next_group += 1
             samples = self._process(pack) if mine else []
             for i in (i for p in group for i in p):
@@ -384,14 +375,10 @@ class _Replica:
 
 
 class PackedDataset(torch.utils.data.IterableDataset):
-    """The iterable of packs made by [`pack_dataset`] (see the module docstring for the design).
+    """The iterable of packs made by [`pack_dataset`], from its arguments (see there and the module docstring).
 
     Each item is a pack: a `list` of sample dicts (see [`~hf_packing.data.Preprocessor.process`]). Works with
     `torch.utils.data.DataLoader` (any `num_workers`) and torchdata's `StatefulDataLoader`.
-
-    Args:
-        ds: rows (see [`pack_dataset`]). processor: the model's processor. cfg ([`PackConfig`]): the settings.
-        weights (*optional*): mixing weights. rank, world_size (`int`, *optional*): default to torch.distributed.
     """
 
     def __init__(self, ds: Any, processor: Any, cfg: PackConfig, *,
@@ -517,13 +504,9 @@ class PackedDataset(torch.utils.data.IterableDataset):
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The state after the last pack yielded to the consumer (not merely produced): plain Python data.
-
-        Loading it into a new `pack_dataset(...)` with the same settings, rank, world size and worker count yields
-        exactly the packs that would have followed. Its `position` (see `_Replica.position`) holds the planner's open
-        packs, the planned but unassigned packs, the rank costs, the counters, and the source position (a `datasets`
-        state_dict or a row number) at the oldest row still held plus the row where planning continues.
-        """
+        """The state after the last pack yielded to the consumer (not merely produced), as plain Python data: loaded
+        into a new `pack_dataset(...)` with the same settings, rank, world size and worker count, it yields exactly the
+        packs that would have followed (see the module docstring, 5.)."""
         return self._state or self._next_start or {**self._header(), "position": None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -586,11 +569,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
         return out
 
     def count_packs(self, *, disable_progress: bool | None = None) -> int:
-        """Plans the whole source here from metadata (no pixels; tqdm bar on rank 0) and returns the packs per rank.
-
-        Afterwards `len()` works. Costs one metadata pass (see the module docstring: an estimate per row, unless the
-        rows carry precomputed metadata columns).
-        """
+        """Plans the whole source here from metadata (no pixels; tqdm bar on rank 0) and returns the packs per rank;
+        afterwards `len()` works. Costs one metadata pass (see the module docstring for what a row costs)."""
         from tqdm.auto import tqdm
 
         replica = _Replica(self, 0, 1, None)
@@ -651,21 +631,27 @@ def pack_dataset(
         seed (`int`, defaults to 0): mixing seed.
         weights (`dict` or `list`, *optional*): sampling probabilities of a dict `ds`'s sources.
         media_root (`str` or `dict`, *optional*): root of relative image and video paths, one for all sources or
-            `{source: root}`; paths escaping it are refused. `image_root` is its former name (one root).
+            `{source: root}`; a path escaping it (`..`, absolute, symlink) is refused (`"path_outside_root"`). Without
+            it paths are used as given. `image_root` is its former name (one root).
         video_root (`str` or `dict`, *optional*): root of relative video (frame) paths where it is not `media_root`.
         fps (`float` or `dict`, *optional*): sampling rate of pre-sampled video frames, one or `{source: fps}`; a
-            row's own `fps` wins. Without it the processor assumes 24 fps (wrong temporal positions for sparse frames).
+            row's own `fps` wins. It reaches the processor as `video_metadata` (Qwen2.5-VL `second_per_grid_ts`,
+            Qwen3-VL timestamps); without it the processor assumes 24 fps (wrong for sparse frames).
         row_format (`str` or `dict`, defaults to `"auto"`): `"messages"`, `"llava"` or `"auto"` (detected from each
             source's own columns), one or `{source: format}`.
-        train_on (`str`, defaults to `"assistant"`): supervise assistant turns, or `"all"` text.
-        on_overlong (`str`, defaults to `"drop"`): `"drop"`, `"error"` or `"truncate_text"` (never cuts an image).
+        train_on (`str`, defaults to `"assistant"`): supervise each assistant turn's content and its `<|im_end|>`, or
+            `"all"` text. Vision tokens (pads, `<|vision_start|>` / `<|vision_end|>`, video timestamps) never are.
+        on_overlong (`str`, defaults to `"drop"`): `"drop"` (reason `"overlong"`), `"error"` (raise) or
+            `"truncate_text"`: keep the first `max_length` tokens if every vision span ends inside them, else drop
+            (reason `"overlong_vision"`); an image is never cut.
         on_error (`str`, defaults to `"skip"`): skip bad rows and count them by reason, or `"raise"`.
         rank, world_size (`int`, *optional*): default to torch.distributed if initialized, else 0 and 1.
         prefetch (`int`, defaults to 4): packs the producer thread may run ahead of the consumer.
         batch_size (`int`, defaults to 1): the DataLoader's batch size in packs; workers take packs in blocks of it so
             batches do not depend on `num_workers`.
         stopping_strategy (`str`, defaults to `"first_exhausted"`): when mixing (`"all_exhausted"` oversamples).
-        max_image_pixels (`int`, defaults to 89,478,485): images larger than this (by header) are skipped.
+        max_image_pixels (`int`, defaults to 89,478,485): images larger than this (by header) are skipped before
+            anything is decoded; PIL's decompression-bomb limit applies too.
         disable_progress (`bool`, defaults to `False`): no tqdm bar for planning passes.
         leftovers (`str`, defaults to `"drop"`): the last group of fewer than `world_size` packs: `"drop"` leaves it
             over (counted in `stats()`); `"spread"` gives it one pack per rank and the remaining ranks a 1-token
