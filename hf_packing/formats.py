@@ -192,7 +192,8 @@ def row_fps(row: Mapping[str, Any], num_videos: int, default: float | None = Non
         raise SampleError("bad_row", f"fps must be a positive number or one per video ({num_videos}), got {value!r}")
     if None in rates:
         logger.warning_once("video frames without fps: the processor assumes 24 fps (Qwen2.5-VL second_per_grid_ts, "
-                       "Qwen3-VL timestamps), wrong for frames taken seconds apart; give rows an 'fps' or pass fps=")
+                            "Qwen3-VL timestamps), wrong for frames taken seconds apart; give rows an 'fps' or pass "
+                            "fps=")
     return [None if r is None else float(r) for r in rates]
 
 

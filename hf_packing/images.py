@@ -128,7 +128,7 @@ class ImageLoader:
 
     def load_rgb(self, ref: Any) -> Image.Image:
         """The decoded image, EXIF-rotated, as 8-bit RGB; raises [`SampleError`] `"corrupt_image"` if undecodable."""
-        image = self.open(ref)
+        image, rgb = self.open(ref), None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -137,7 +137,7 @@ class ImageLoader:
         except (OSError, SyntaxError, ValueError) as err:
             raise SampleError("corrupt_image", f"image cannot be decoded ({err})") from None
         finally:
-            if image is not ref and "rgb" in locals() and rgb is not image:
+            if image is not ref and rgb is not image:  # a new image, or an error: the opened one is done
                 image.close()
         return rgb
 
