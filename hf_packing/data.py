@@ -7,9 +7,10 @@ same conversation gives the same sample in either format.
 [`Preprocessor.estimate`] counts a sample's tokens without decoding pixels: the chat template is rendered and
 tokenized with ONE placeholder token per image, image sizes come from file headers (`PIL.Image.open` is lazy), and
 the processor's own `get_number_of_image_patches` (Qwen's `smart_resize`: 28 px cells on Qwen2/2.5-VL, 32 px on
-Qwen3-VL) gives each image's `patches / merge**2` tokens. That costs 0.1-1 ms per sample (template, tokenizer, header)
-against ~8-50 ms for a full [`Preprocessor.process`] (decode, convert, resize, patchify), which runs only for samples
-placed in a pack and checks that the processed length equals the estimate. [`Preprocessor.metadata_columns`] stores
+Qwen3-VL) gives each image's `patches / merge**2` tokens. With the tiny test processors and 256-1024 px JPEGs that
+costs ~1.5 ms of CPU per sample (template, tokenizer, headers) against ~26 ms for a full [`Preprocessor.process`]
+(decode, convert, resize, patchify), which runs only for samples placed in a pack and checks that the processed length
+equals the estimate. [`Preprocessor.metadata_columns`] stores
 the estimate as columns (one `ds.map`), so a large run plans from columns instead.
 
 Bad input raises [`SampleError`] with a `reason` from [`REASONS`]; the caller skips and counts it (see
@@ -31,30 +32,34 @@ import numpy as np
 import torch
 
 from .formats import FORMATS, normalize_row, row_fps
-from .images import REASONS, ImageLoader, OverlongError, SampleError
+from .images import MAX_IMAGE_PIXELS, REASONS, ImageLoader, OverlongError, SampleError
 from .loss import IGNORE_INDEX
 
 logger = logging.getLogger("hf_packing")
 
 
 META_COLUMNS = ("hfp_num_tokens", "hfp_num_images", "hfp_vision_patches", "hfp_skip")
-__all__ = ["META_COLUMNS", "REASONS", "OverlongError", "Preprocessor", "SampleError", "SampleMeta", "SkipCounter",
-           "normalize_row"]
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+__all__ = ["META_COLUMNS", "REASONS", "VISION_KEYS", "OverlongError", "Preprocessor", "SampleError", "SampleMeta",
+           "SkipCounter", "normalize_row"]
 _CHATML = re.compile(r"<\|im_start\|>assistant\n.*?<\|im_end\|>", re.S)
 
 
 class SkipCounter(Counter):
-    """A `Counter` of skip reasons that logs the first occurrence of each reason (with the sample id) once."""
+    """A `Counter` of skipped samples by reason (or by `key`, e.g. `(source, reason)`) that logs the first skip of each
+    key once, with the sample id."""
 
     def __init__(self, *args: Any, log: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.log = log
 
-    def record(self, reason: str, index: Any, message: str, *, exc_info: BaseException | None = None) -> None:
-        if self[reason] == 0 and self.log:
+    def record(self, reason: str, index: Any, message: str, *, key: Any = None,
+               exc_info: BaseException | None = None) -> None:
+        key = reason if key is None else key
+        if self[key] == 0 and self.log:
             logger.warning("skipping sample %s (%s): %s. Further %r skips are only counted (see stats()).",
                            index, reason, message, reason, exc_info=exc_info)
-        self[reason] += 1
+        self[key] += 1
 
 
 @dataclass(frozen=True)
@@ -75,8 +80,7 @@ class _Prepared:
     ids: np.ndarray  # tokens of `text`, videos' placeholders expanded with each pad run compressed to one token
     repeats: np.ndarray  # how many tokens each of `ids` becomes in the processed sample
     supervised: np.ndarray  # bool per `ids` entry
-    num_tokens: int  # after truncation
-    meta: SampleMeta
+    meta: SampleMeta  # its `num_tokens` after truncation
 
 
 class Preprocessor:
@@ -84,28 +88,15 @@ class Preprocessor:
 
     Args:
         processor: a Qwen-VL processor (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`, `Qwen3VLProcessor`).
-        max_length (`int`, *optional*): token budget; longer samples follow `on_overlong`.
-        media_root (`str` or `Path`, *optional*): relative image and video paths resolve here; a path that escapes it
-            (`..`, absolute, symlink) is refused with reason `"path_outside_root"`. Without it paths are used as given.
-            `image_root` is its former name.
-        video_root (`str` or `Path`, *optional*): the root of video paths (frames) when it is not `media_root`.
-        fps (`float`, *optional*): the sampling rate of this source's video frames (a row's own `fps` wins); it
-            reaches the processor as `video_metadata` (Qwen2.5-VL `second_per_grid_ts`, Qwen3-VL timestamps).
-            Without it the processor assumes 24 fps.
+        max_length (`int`, *optional*): token budget (`None`: none); longer samples follow `on_overlong`.
+        media_root, video_root, fps, train_on, on_overlong, max_image_pixels: one source's value of the
+            [`~hf_packing.stream.pack_dataset`] setting of that name (`image_root`: `media_root`'s former name).
         row_format (`str`, defaults to `"auto"`): `"messages"`, `"llava"`, or `"auto"` per row (see `formats.py`).
-        train_on (`str`, defaults to `"assistant"`): `"assistant"` supervises each assistant turn's content and its
-            `<|im_end|>`; `"all"` every text token. Vision tokens (pads, `<|vision_start|>`/`<|vision_end|>`, video
-            timestamps) are never supervised.
-        on_overlong (`str`, defaults to `"drop"`): `"drop"` (reason `"overlong"`), `"error"` (raise `ValueError`) or
-            `"truncate_text"`: keep the first `max_length` tokens if every vision span ends inside them, else drop
-            (reason `"overlong_vision"`). Never cuts through an image.
-        max_image_pixels (`int`, defaults to 89,478,485): larger images (by their header) are refused (reason
-            `"image_too_large"`) before anything is decoded; PIL's decompression-bomb limit applies too.
     """
 
     def __init__(self, processor: Any, *, max_length: int | None = None, media_root: str | os.PathLike | None = None,
                  video_root: str | os.PathLike | None = None, fps: float | None = None, row_format: str = "auto",
-                 train_on: str = "assistant", on_overlong: str = "drop", max_image_pixels: int = 89_478_485,
+                 train_on: str = "assistant", on_overlong: str = "drop", max_image_pixels: int = MAX_IMAGE_PIXELS,
                  image_root: str | os.PathLike | None = None) -> None:
         if media_root is not None and image_root is not None:
             raise ValueError("image_root is the former name of media_root: pass one of them")
@@ -145,6 +136,19 @@ class Preprocessor:
             return dict(zip(META_COLUMNS, (-1, 0, 0, err.reason), strict=True))
         return dict(zip(META_COLUMNS, (meta.num_tokens, meta.num_images, meta.vision_patches, ""), strict=True))
 
+    def planned_meta(self, row: Mapping[str, Any], index: Any = None) -> SampleMeta:
+        """What the planner uses: the row's [`META_COLUMNS`] when it has them, else [`estimate`]. Columns computed with
+        `max_length=None` follow this preprocessor's `on_overlong` here; a `truncate_text` cut through an image is
+        found when the sample is processed (reason `"overlong_vision"`)."""
+        if META_COLUMNS[0] not in row:
+            return self.estimate(row, index)
+        tokens, images, patches, skip = (row[c] for c in META_COLUMNS)
+        if skip:
+            raise SampleError(skip, f"refused when the metadata columns were computed ({skip})")
+        if self.max_length is not None and tokens > self.max_length:
+            tokens = self._truncate(index, np.array([tokens]), np.zeros(1, bool), np.ones(1, bool))
+        return SampleMeta(tokens, images, patches)
+
     def _prepare(self, row: Mapping[str, Any], index: Any) -> _Prepared:
         messages, images, videos = normalize_row(row, index, row_format=self.row_format)
         fps = row_fps(row, len(videos), self.fps)
@@ -176,7 +180,7 @@ class Preprocessor:
         supervised &= ~vision
         num_tokens = self._truncate(index, repeats, vision, supervised)
         meta = SampleMeta(num_tokens, len(images), sum(img_patches) + sum(vid_patches[0]))
-        return _Prepared(text, images, videos, fps, ids, repeats, supervised, num_tokens, meta)
+        return _Prepared(text, images, videos, fps, ids, repeats, supervised, meta)
 
     def _supervised_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]] | None:
         """Character spans of assistant content + end-of-turn token in `text` (`None` = supervise everything)."""
@@ -255,7 +259,8 @@ class Preprocessor:
             raise SampleError("bad_aspect_ratio", str(err)) from None
 
     # ------------------------------------------------------------------------------------------------ samples
-    def process(self, row: Mapping[str, Any], index: Any = None, *, planned_tokens: int | None = None) -> dict[str, Any]:
+    def process(self, row: Mapping[str, Any], index: Any = None, *, planned_tokens: int | None = None,
+                ) -> dict[str, Any]:
         """Full processing: decode pixels, run the processor, build labels, truncate, check the planned length.
 
         Args:
@@ -281,15 +286,16 @@ class Preprocessor:
         expected = torch.from_numpy(np.repeat(prep.ids, prep.repeats))
         if ids.shape != expected.shape or not torch.equal(ids, expected):
             raise SampleError("length_mismatch", f"processed {ids.numel():,} tokens, estimated {expected.numel():,}")
-        n = prep.num_tokens
+        n = prep.meta.num_tokens
         if planned_tokens is not None and n != planned_tokens:
             raise SampleError("length_mismatch", f"processed {n:,} tokens, planned {planned_tokens:,}")
         supervised = torch.from_numpy(np.repeat(prep.supervised, prep.repeats))
         sample: dict[str, Any] = {
             "input_ids": ids[:n], "labels": ids.masked_fill(~supervised, IGNORE_INDEX)[:n],
-            "attention_mask": torch.ones(n, dtype=torch.long), "mm_token_type_ids": out["mm_token_type_ids"][0, :n].long(),
+            "attention_mask": torch.ones(n, dtype=torch.long),
+            "mm_token_type_ids": out["mm_token_type_ids"][0, :n].long(),
         }
-        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        for key in VISION_KEYS:
             if out.get(key) is not None:
                 sample[key] = out[key]
         sample["num_tokens"], sample["index"] = n, index

@@ -16,13 +16,17 @@ A source that gives no sample over a full pass raises [`NoSamplesError`] with it
 
 from __future__ import annotations
 
-import logging
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from transformers.utils import logging
 
 from .images import SampleError
+
+if TYPE_CHECKING:
+    from .stream import PackStats
 
 __all__ = ["FORMATS", "NoSamplesError", "check_yield", "detect_format", "normalize_row", "per_source", "row_fps",
            "source_formats"]
@@ -30,8 +34,7 @@ __all__ = ["FORMATS", "NoSamplesError", "check_yield", "detect_format", "normali
 FORMATS = ("auto", "messages", "llava")
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 _TAGS = re.compile(r"(<image>|<video>)")
-_warned: set[str] = set()
-logger = logging.getLogger("hf_packing")
+logger = logging.get_logger("hf_packing")
 
 
 class NoSamplesError(ValueError):
@@ -187,34 +190,33 @@ def row_fps(row: Mapping[str, Any], num_videos: int, default: float | None = Non
     rates = list(value) if isinstance(value, (list, tuple)) else [value] * num_videos
     if len(rates) != num_videos or not all(r is None or (isinstance(r, (int, float)) and r > 0) for r in rates):
         raise SampleError("bad_row", f"fps must be a positive number or one per video ({num_videos}), got {value!r}")
-    if None in rates and "fps" not in _warned:
-        _warned.add("fps")
-        logger.warning("video frames without fps: the processor assumes 24 fps (Qwen2.5-VL second_per_grid_ts, "
-                       "Qwen3-VL timestamps), wrong for frames taken seconds apart; give rows an 'fps' or pass fps=")
+    if None in rates:
+        logger.warning_once("video frames without fps: the processor assumes 24 fps (Qwen2.5-VL second_per_grid_ts, "
+                            "Qwen3-VL timestamps), wrong for frames taken seconds apart; give rows an 'fps' or pass "
+                            "fps=")
     return [None if r is None else float(r) for r in rates]
 
 
 # ------------------------------------------------------------------------------------------------ empty sources
-def check_yield(counts: Mapping[str, int], names: Sequence[str], *, groups: int, world: int) -> None:
+def check_yield(stats: PackStats, *, groups: int, world: int) -> None:
     """Raises [`NoSamplesError`] after a full planning pass that kept no sample of a source that had rows, or none at
     all, or planned packs but no complete group of `world` (every rank would train on nothing).
 
-    `counts` holds `rows[/name]`, `kept[/name]` and `skips[/name]/<reason>` (the planner's global counters, the same
-    on every replica, so every rank raises at the same point and none waits in a collective).
+    `stats` are the planning counters, the same on every replica, so every rank raises at the same point and none
+    waits in a collective.
     """
     failed = []
-    for name in list(names) or [None]:
-        tag = "" if name is None else f"/{name}"
-        rows, prefix = counts.get(f"rows{tag}", 0), f"skips{tag}/"
-        if counts.get(f"kept{tag}", 0) or (name is not None and not rows):
+    for source in stats.sources:
+        rows = stats.rows[source]
+        if stats.kept[source] or (source is not None and not rows):
             continue
-        skips = Counter({k[len(prefix):]: n for k, n in counts.items() if k.startswith(prefix)})
+        skips = Counter({reason: n for (name, reason), n in stats.planning_skips.items() if name == source})
         why = ", ".join(f"{n} {reason}" for reason, n in skips.most_common(3)) or "it is empty"
-        failed.append(f"{'the dataset' if name is None else f'source {name!r}'} yielded 0 of {rows} rows: {why}")
-    if failed or not counts.get("kept", 0):
+        failed.append(f"{'the dataset' if source is None else f'source {source!r}'} yielded 0 of {rows} rows: {why}")
+    if failed or not sum(stats.kept.values()):
         raise NoSamplesError("; ".join(failed or ["no source yielded a sample"]) + ". Check each source's row format, "
                              "media_root / video_root and the README's 'Row formats' (stats() counts every skip)")
     if not groups:
-        packs = counts.get("packs", 0)
+        packs = stats.planned_packs
         raise NoSamplesError(f"{packs} pack{'s' * (packs != 1)} planned, none for any of world_size={world} ranks "
                              "(a step needs one pack per rank): add data or lower max_length")

@@ -78,7 +78,8 @@ class IterSource:
 
     def __init__(self, ds: Any) -> None:
         if getattr(ds, "_distributed", None) is not None:
-            raise ValueError("pass the dataset before split_dataset_by_node(): pack_dataset splits packs by rank itself")
+            raise ValueError("pass the dataset before split_dataset_by_node(): pack_dataset splits packs by rank "
+                             "itself")
         if ds.features is not None:  # images as {"bytes", "path"}: headers are read, pixels only for placed rows
             ds = ds.decode(False)
         self.ds = ds
@@ -124,4 +125,5 @@ def make_source(ds: Any, weights: Any, seed: int, stopping_strategy: str) -> tup
         return MapSource(ds), names
     if isinstance(ds, datasets.IterableDataset):
         return IterSource(ds), names
-    raise TypeError(f"ds must be a datasets.Dataset, datasets.IterableDataset or a dict of them, got {type(ds).__name__}")
+    raise TypeError(f"ds must be a datasets.Dataset, datasets.IterableDataset or a dict of them, got "
+                    f"{type(ds).__name__}")

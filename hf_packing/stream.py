@@ -17,30 +17,29 @@ How it works, without any collective:
    one's tokens / images / patches from text and image headers ([`~hf_packing.data.Preprocessor.estimate`]) and
    feeds the same deterministic [`~hf_packing.planner.StreamingPlanner`] (windows of `buffer_size`), so all replicas
    see the same global sequence of packs. BFD over a 1,000-sample window loses < 0.05% fill against whole-dataset.
-2. **Ranks.** Consecutive packs form groups of `world_size`; each rank gets exactly one pack per group, the most
-   expensive pack to the rank with the least cumulative cost, where a pack costs Σ (n + n² // 65,536) over its
-   samples' lengths n (dense FLOPs ∝ n, attention ∝ n²; the two are equal near n ≈ N / (layers · hidden), ~65k for
-   a 7B model). Every rank yields exactly as many packs as the others whatever the shard sizes; a final incomplete
-   group is left over and counted in `stats()` (never silently lost), or, with `leftovers="spread"` (for eval sets,
-   where every sample must count once), handed out one pack per rank, ranks past its end getting a 1-token
-   unsupervised filler.
+2. **Ranks.** Consecutive packs form groups of `world_size`; each rank gets one pack per group, the costliest to the
+   rank with the least cumulative cost, where a pack costs Σ (n + n² // 65,536) over its samples' lengths n (dense
+   FLOPs ∝ n, attention ∝ n²; equal near n ≈ N / (layers · hidden), ~65k for a 7B model). Every rank yields as many
+   packs whatever the shard sizes; a final incomplete group is left over (counted in `stats()`) or, with
+   `leftovers="spread"` (eval sets), handed out one pack per rank, with a 1-token filler for the ranks past its end.
 3. **Workers.** DataLoader worker w of W takes the rank's packs j with (j // batch_size) % W == w; the DataLoader
    interleaves workers round-robin, so the batches are the same, in the same order, for any `num_workers`. Only a
    worker's own packs get pixel processing ([`~hf_packing.data.Preprocessor.process`]), which checks the processed
    length against the planned one.
-4. **Producer thread.** Reading, planning and pixel work run in a background thread (torch ops single-threaded
-   there) feeding a queue of `prefetch` packs; its exceptions re-raise in the consumer; it stops when the iterator
-   is closed or garbage-collected. A bad row is skipped and counted, never fatal (unless `on_error="raise"`).
+4. **Producer thread.** Reading, planning and pixel work run in a background thread feeding a queue of `prefetch`
+   packs; its exceptions re-raise in the consumer; it stops when the iterator is closed or garbage-collected. A bad
+   row is skipped and counted ([`PackStats`]), never fatal (unless `on_error="raise"`).
 5. **Resume.** `state_dict()` is the state after the last pack *yielded*: the planner's open packs, the packs
    planned but not yet assigned, the rank costs, the counters, and the source position (`datasets` state_dict or a
    row number) of the oldest row still held plus the row where planning continues. Loading it re-reads only that
    span (typically a few windows) and continues with exactly the packs of an uninterrupted run.
 
 The price of agreeing without communication is that every replica plans every row: per rank, W · N estimates
-against N / R pixel jobs. Measured on 2 busy cores with the tiny processors and 256-1024 px JPEGs: an estimate
-costs 0.4-1 ms per row, a processed sample ~8-15 ms. Past a few ranks, compute the lengths once instead:
+against N / R pixel jobs. With the tiny test processors and 256-1024 px JPEGs, one thread, an estimate costs
+~1.5 ms of CPU per row and a processed sample ~26 ms. Past a few ranks, compute the lengths once instead:
 `ds.map(Preprocessor(...).metadata_columns, with_indices=True, num_proc=...)`; planning then reads those columns
-only (~120k rows/s for a `datasets.Dataset`), and stale values are caught when a sample is processed.
+(~70k rows/s of one core for a `datasets.Dataset`, ~9k streamed), and stale values are caught when a sample is
+processed.
 """
 
 from __future__ import annotations
@@ -52,37 +51,339 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from .formats import source_formats
-from .replica import SKIPS, PackConfig, Replica
-from .sources import make_source
+from .data import REASONS, OverlongError, Preprocessor, SampleError, SampleMeta, SkipCounter
+from .formats import check_yield, per_source, source_formats
+from .images import MAX_IMAGE_PIXELS
+from .loss import IGNORE_INDEX
+from .planner import StreamingPlanner
+from .sources import SOURCE_COLUMN, make_source
 
-__all__ = ["PackConfig", "PackedDataset", "pack_dataset"]
+__all__ = ["PackConfig", "PackStats", "PackedDataset", "pack_dataset"]
 logger = logging.getLogger("hf_packing")
 
-_STATE_VERSION = 1
+ATTENTION_TOKENS = 65_536  # a sample of n tokens costs n + n**2 // ATTENTION_TOKENS (dense + attention FLOPs)
+PADDED_BATCH = 8  # the baseline in stats(): the same samples in padded batches of 8, in input order
+_STATE_VERSION = 2
 _MAX_SLOTS = 65  # rows of the shared stats table: the main process + up to 64 DataLoader workers
 _PLAN_KEYS = ("max_length", "strategy", "max_images", "max_vision_patches", "buffer_size", "seed", "train_on",
               "on_overlong", "batch_size", "stopping_strategy")  # settings a saved state must match
 
 
+@dataclasses.dataclass(frozen=True)
+class PackConfig:
+    """The settings of [`pack_dataset`] (see there); `media_root`, `video_root`, `fps` and `row_format` are one value
+    or `{source name: value}`."""
+
+    max_length: int
+    strategy: str
+    max_images: int | None
+    max_vision_patches: int | None
+    buffer_size: int
+    seed: int
+    media_root: Any
+    video_root: Any
+    fps: Any
+    row_format: Any
+    train_on: str
+    on_overlong: str
+    on_error: str
+    prefetch: int
+    batch_size: int
+    stopping_strategy: str
+    max_image_pixels: int
+    disable_progress: bool
+    leftovers: str
+
+    def preprocessors(self, processor: Any, names: list[str]) -> dict[str | None, Preprocessor]:
+        """One [`Preprocessor`] per source (key `None` for a single dataset), with that source's format and roots."""
+        per = {k: per_source(getattr(self, k), names, k) for k in ("media_root", "video_root", "fps")}
+        fmt = per_source(self.row_format, names, "row_format", "auto")
+        return {n: Preprocessor(processor, max_length=self.max_length, media_root=per["media_root"][n],
+                                video_root=per["video_root"][n], fps=per["fps"][n], row_format=fmt[n],
+                                train_on=self.train_on, on_overlong=self.on_overlong,
+                                max_image_pixels=self.max_image_pixels) for n in fmt}
+
+
+@dataclasses.dataclass
+class PackStats:
+    """The counters of one pass of one replica (a rank's DataLoader worker), by source and skip reason ([`REASONS`]).
+
+    The planning counters (`rows` to `batch_longest`) are the same on every replica, since each plans every row; the
+    rest is the replica's own yielded work. Every counter is an integer over fixed keys, so the stats travel from
+    DataLoader workers as one row of a shared table, and into `state_dict()`, as [`~PackStats.to_row`].
+    """
+
+    sources: Sequence[str | None]  # the names of a mix; empty or `(None,)` for a single dataset
+    rows: Counter = dataclasses.field(default_factory=Counter)  # source -> rows read
+    kept: Counter = dataclasses.field(default_factory=Counter)  # source -> rows planned
+    planning_skips: SkipCounter = dataclasses.field(default_factory=SkipCounter)  # (source, reason) -> rows
+    planned_packs: int = 0  # for all ranks
+    leftover_packs: int = 0  # the last incomplete group of world_size packs, yielded by no rank
+    leftover_samples: int = 0
+    complete: int = 0
+    padded_tokens: int = 0  # tokens of the kept rows, and the slots their padded batches use: closed ones ...
+    padded_slots: int = 0
+    batch_rows: int = 0  # ... and the open one
+    batch_longest: int = 0
+    packs: int = 0  # yielded by this replica, fillers included
+    samples: Counter = dataclasses.field(default_factory=Counter)  # source -> samples yielded
+    tokens: int = 0
+    images: int = 0
+    processing_skips: SkipCounter = dataclasses.field(default_factory=SkipCounter)  # reason -> samples
+
+    _YIELDED = ("packs", "samples", "tokens", "images", "processing_skips")
+
+    def __post_init__(self) -> None:
+        self.sources = tuple(self.sources) or (None,)
+
+    def add_padded(self, tokens: int) -> None:
+        """Counts a kept row into the padded-batch baseline (integers, so it resumes with the other counters)."""
+        self.padded_tokens += tokens
+        self.batch_rows += 1
+        self.batch_longest = max(self.batch_longest, tokens)
+        if self.batch_rows == PADDED_BATCH:
+            self.padded_slots += PADDED_BATCH * self.batch_longest
+            self.batch_rows = self.batch_longest = 0
+
+    def _layout(self) -> list[tuple[str, Sequence[Any] | None]]:
+        """Each counter and, for a `Counter`, its keys in a fixed order (`None` for an `int`)."""
+        keys = {"planning_skips": [(s, r) for s in self.sources for r in REASONS], "processing_skips": REASONS}
+        return [(f.name, keys.get(f.name, self.sources) if isinstance(getattr(self, f.name), Counter) else None)
+                for f in dataclasses.fields(self)[1:]]  # [0] is `sources`, the layout itself
+
+    def to_row(self) -> list[int]:
+        row = []
+        for name, keys in self._layout():
+            value = getattr(self, name)
+            row += [value] if keys is None else [value[key] for key in keys]
+        return row
+
+    @classmethod
+    def from_row(cls, sources: Sequence[str | None], row: Sequence[float]) -> PackStats:
+        stats = cls(tuple(sources))
+        values = iter(row)
+        for name, keys in stats._layout():
+            if keys is None:
+                setattr(stats, name, int(next(values)))
+            else:
+                getattr(stats, name).update({key: int(value) for key in keys if (value := next(values))})
+        return stats
+
+    @classmethod
+    def merge(cls, sources: Sequence[str | None], rows: np.ndarray) -> PackStats:
+        """One rank's stats from its replicas' rows (one per row of `rows`): planning counters by max (the same on
+        every replica: the one furthest along), yielded work summed."""
+        yielded = [name in cls._YIELDED for name, keys in cls(sources)._layout() for _ in keys or [None]]
+        return cls.from_row(sources, np.where(yielded, rows.sum(axis=0), rows.max(axis=0)))
+
+
+class _Replica:
+    """The planner replica of (`dataset`'s rank, `worker`): reads every row, plans, assigns packs to ranks, processes
+    its own. Every replica reads the same rows and makes the same decisions, so replicas agree without communicating.
+    `position` is a saved [`~_Replica.position`] to resume from."""
+
+    def __init__(self, dataset: PackedDataset, worker: int, workers: int, position: dict[str, Any] | None) -> None:
+        cfg = self.cfg = dataset.cfg
+        self.source, self.epoch, (self.rank, self.world) = dataset._source, dataset._epoch, dataset._rank_world()
+        self.worker, self.workers = worker, workers
+        self.preprocessors = cfg.preprocessors(dataset.processor, dataset._names)
+        self.pad_id = next(iter(self.preprocessors.values())).tokenizer.pad_token_id or 0
+        self.planner = StreamingPlanner(max_length=cfg.max_length, strategy=cfg.strategy, max_images=cfg.max_images,
+                                        max_vision_patches=cfg.max_vision_patches, buffer_size=cfg.buffer_size)
+        self.held: dict[int, tuple[dict[str, Any], int | None, str | None]] = {}  # row -> (row, tokens, source)
+        self.unassigned: list[list[int]] = []  # closed packs waiting for a full group of `world`
+        self.next_group, self.rank_costs = 0, [0] * self.world
+        self.source_positions: dict[int, Any] = {0: None}  # row -> source position before it (from the oldest held)
+        self.next_row, self.replay_until, self.replay = 0, 0, set()  # rows before replay_until: re-read, not planned
+        self.stats = PackStats(dataset._names)
+        self.stop = threading.Event()
+        if position is not None:
+            self._restore(position)
+        self.stats.planning_skips.log = self.rank == 0 and worker == 0  # one replica per run logs planning skips
+
+    # ------------------------------------------------------------------------------------------------ state
+    def position(self, planner: dict[str, Any]) -> dict[str, Any]:
+        """Where this replica stands, as plain data: `planner`, its planner's state (shared by the positions of one
+        batch of closed packs), the rows still held and the source position of the oldest, the row where planning
+        continues, the packs not yet assigned, the group count, the rank costs and the [`PackStats`] row."""
+        read_from = self._oldest()
+        return {"planner": planner, "held": list(self.held), "read_from": read_from,
+                "source_state": self.source_positions[read_from], "planned_until": self.next_row,
+                "unassigned": list(self.unassigned), "next_group": self.next_group,
+                "rank_costs": list(self.rank_costs), "stats": self.stats.to_row()}
+
+    def _restore(self, position: dict[str, Any]) -> None:
+        self.planner.load_state_dict(position["planner"])
+        self.replay = {int(i) for i in position["held"]}
+        self.next_row, self.replay_until = int(position["read_from"]), int(position["planned_until"])
+        self.source_positions = {self.next_row: position["source_state"]}
+        self.unassigned = [list(p) for p in position["unassigned"]]
+        self.next_group, self.rank_costs = int(position["next_group"]), [int(c) for c in position["rank_costs"]]
+        self.stats = PackStats.from_row(self.stats.sources, position["stats"])
+
+    # ------------------------------------------------------------------------------------------------ main loop
+    def run(self, put: Callable[[Any], bool] | None, *, progress: Any = None) -> None:
+        """Reads the whole source. With `put=None` only plans (counts groups); else `put(("pack", samples,
+        position))` for each owned pack, stopping early when `put` returns `False` or `stop` is set."""
+        for row, state_after in self.source.rows(self.source_positions[self.next_row], self.epoch):
+            if self.stop.is_set():
+                return
+            index, self.next_row = self.next_row, self.next_row + 1
+            self.source_positions[self.next_row] = state_after
+            if not self.next_row % 4096:  # bounded even when rows keep being skipped and no pack closes
+                self._prune()
+            if progress is not None:
+                progress.update(1)
+            if index < self.replay_until:  # re-reading the rows a resumed planner still holds
+                if index in self.replay:
+                    self._keep(index, row, count=False)
+                continue
+            meta = self._keep(index, row, count=True)
+            if meta is not None:
+                packs = self.planner.add(index, meta.num_tokens, meta.num_images, meta.vision_patches)
+                if packs and not self._assign_groups(packs, put):
+                    return
+        if not self._assign_groups(self.planner.flush(), put, spread=self.cfg.leftovers == "spread"):
+            return
+        self.stats.leftover_packs = len(self.unassigned)
+        self.stats.leftover_samples = sum(len(p) for p in self.unassigned)
+        self.stats.complete = 1
+        check_yield(self.stats, groups=self.next_group, world=self.world)
+
+    def _keep(self, index: int, row: dict[str, Any], *, count: bool) -> SampleMeta | None:
+        """Holds a row for planning and returns its metadata, or `None` when it is skipped (counted if `count`)."""
+        source = row.pop(SOURCE_COLUMN, None)
+        if count:
+            self.stats.rows[source] += 1
+        try:
+            meta = self.preprocessors[source].planned_meta(row, index)
+        except OverlongError:
+            raise
+        except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
+            if self.cfg.on_error == "raise":
+                raise
+            if count:
+                self._skip(err, index, source=source, planning=True)
+            else:  # planned before, failing now on resume: processing reports it
+                self.held[index] = (row, None, source)
+            return None
+        for reason, value, name in (("too_many_images", meta.num_images, "max_images"),
+                                    ("too_many_vision_patches", meta.vision_patches, "max_vision_patches")):
+            limit = getattr(self.cfg, name)
+            if limit is not None and value > limit:
+                if count:
+                    error = SampleError(reason, f"{value:,} > {name}={limit:,}; raise {name}")
+                    self._skip(error, index, source=source, planning=True)
+                return None
+        self.held[index] = (row, meta.num_tokens, source)
+        if count:
+            self.stats.add_padded(meta.num_tokens)
+            self.stats.kept[source] += 1
+        return meta
+
+    def _skip(self, err: Exception, index: int, *, source: str | None = None, planning: bool) -> None:
+        """Counts a skip and logs the first of each kind: while planning by (source, reason), once per run (every
+        replica plans every row); while processing by reason, on this replica."""
+        known = isinstance(err, SampleError)
+        reason = err.reason if known else "unexpected_error"
+        counter = self.stats.planning_skips if planning else self.stats.processing_skips
+        counter.record(reason, index, str(err) if known else f"{type(err).__name__}: {err}",
+                       key=(source, reason) if planning else reason, exc_info=None if known else err)
+
+    def _assign_groups(self, packs: list[list[int]], put: Callable[[Any], bool] | None, *, spread: bool = False,
+                       ) -> bool:
+        """Assigns every full group of `world` closed packs, one pack per rank, and processes and `put`s this replica's.
+        With `spread` (``leftovers="spread"``, at the end) the last incomplete group goes one pack per rank, in rank
+        order, ranks past its end getting a 1-token filler: every pack is yielded once and ranks take equal steps."""
+        self.stats.planned_packs += len(packs)
+        self.unassigned.extend(packs)
+        self._prune()
+        planner = None  # the planner's state does not change here: taken once, when a position first needs it
+        while len(self.unassigned) >= self.world or (spread and self.unassigned):
+            group, self.unassigned = self.unassigned[: self.world], self.unassigned[self.world :]
+            if len(group) == self.world:
+                pack = self._assign(group)
+            else:
+                pack = group[self.rank] if self.rank < len(group) else []
+            mine = put is not None and (self.next_group // self.cfg.batch_size) % self.workers == self.worker
+            self.next_group += 1
+            samples = self._process(pack) if mine else []
+            for i in (i for p in group for i in p):
+                self.held.pop(i, None)
+            if mine:
+                planner = planner or self.planner.state_dict()
+                if not put(("pack", samples, self.position(planner))):
+                    return False
+        return True
+
+    def _filler(self) -> dict[str, Any]:
+        """A 1-token sample without targets: a pack that keeps ranks in step and adds nothing to the loss."""
+        one = torch.ones(1, dtype=torch.long)
+        return {"input_ids": one * self.pad_id, "labels": one * IGNORE_INDEX, "attention_mask": one,
+                "mm_token_type_ids": one * 0, "num_tokens": 1, "index": -1}
+
+    def _oldest(self) -> int:
+        return next(iter(self.held), self.next_row)  # rows are held in order
+
+    def _prune(self) -> None:
+        """Drops the source positions of rows older than the oldest row still held."""
+        oldest = self._oldest()
+        for row in [row for row in self.source_positions if row < oldest]:
+            del self.source_positions[row]
+
+    def _assign(self, group: list[list[int]]) -> list[int]:
+        """One pack per rank: the costliest pack to the rank with the least cumulative cost (ties: lower index)."""
+        cost = [sum(n + n * n // ATTENTION_TOKENS for n in (self.held[i][1] or 0 for i in p)) for p in group]
+        packs = sorted(range(len(group)), key=lambda k: (-cost[k], k))
+        ranks = sorted(range(self.world), key=lambda r: (self.rank_costs[r], r))
+        for k, r in zip(packs, ranks, strict=True):
+            self.rank_costs[r] += cost[k]
+        low = min(self.rank_costs)
+        self.rank_costs = [c - low for c in self.rank_costs]
+        return group[packs[ranks.index(self.rank)]]
+
+    def _process(self, pack: list[int]) -> list[dict[str, Any]]:
+        """The processed samples of `pack`; a filler instead when it is empty or none of its samples can be used."""
+        samples = []
+        for index in pack:
+            row, planned, source = self.held[index]
+            try:
+                sample = self.preprocessors[source].process(self.source.fetch(index) if self.source.lazy else row,
+                                                            index, planned_tokens=planned)
+            except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
+                if self.cfg.on_error == "raise" or isinstance(err, OverlongError):
+                    raise
+                self._skip(err, index, planning=False)
+                continue
+            samples.append(sample)
+            self.stats.samples[source] += 1
+        if not samples:  # keep ranks in step with a 1-token, unsupervised filler
+            if pack:  # every sample failed to decode
+                self.stats.processing_skips["empty_pack"] += 1
+            samples = [self._filler()]
+        self.stats.packs += 1
+        self.stats.tokens += sum(s["num_tokens"] for s in samples)
+        self.stats.images += sum(len(s["image_grid_thw"]) for s in samples if "image_grid_thw" in s)
+        return samples
+
+
 class PackedDataset(torch.utils.data.IterableDataset):
-    """The iterable of packs made by [`pack_dataset`] (see the module docstring for the design).
+    """The iterable of packs made by [`pack_dataset`], from its arguments (see there and the module docstring).
 
     Each item is a pack: a `list` of sample dicts (see [`~hf_packing.data.Preprocessor.process`]). Works with
     `torch.utils.data.DataLoader` (any `num_workers`) and torchdata's `StatefulDataLoader`.
-
-    Args:
-        ds: rows (see [`pack_dataset`]). processor: the model's processor. cfg ([`PackConfig`]): the settings.
-        weights (*optional*): mixing weights. rank, world_size (`int`, *optional*): default to torch.distributed.
     """
 
-    def __init__(self, ds: Any, processor: Any, cfg: PackConfig, *, weights: Mapping[str, float] | Sequence[float] | None
-                 = None, rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(self, ds: Any, processor: Any, cfg: PackConfig, *,
+                 weights: Mapping[str, float] | Sequence[float] | None = None, rank: int | None = None,
+                 world_size: int | None = None) -> None:
         super().__init__()
         if cfg.on_error not in ("skip", "raise"):
             raise ValueError(f"on_error must be 'skip' or 'raise', got {cfg.on_error!r}")
@@ -95,14 +396,11 @@ class PackedDataset(torch.utils.data.IterableDataset):
         self.weights = dict(weights) if isinstance(weights, Mapping) else list(weights) if weights is not None else None
         self._source, self._names = make_source(ds, weights, cfg.seed, cfg.stopping_strategy)
         cfg.preprocessors(processor, self._names)  # validates the settings here rather than in a worker
-        self._fields = ["rows", "packs", "leftover_packs", "leftover_samples", "done", "packs_yielded", "samples",
-                        "tokens", "images", "in_tokens", "in_pad_slots", "in_batch_n", "in_batch_max", "t0", "t1"]
-        self._fields += [f"{k}/{n}" for k in ("rows", "samples") for n in self._names]
-        self._fields += [f"{k}/{r}" for k in ("skip", "pskip") for r in SKIPS]
-        self._col = {name: k for k, name in enumerate(self._fields)}
-        self._shared = torch.zeros((_MAX_SLOTS, len(self._fields)), dtype=torch.float64).share_memory_()
-        self._resume: dict[str, Any] | None = None
-        self._live: dict[str, Any] | None = None
+        # one row per replica of this process: start and last-update times, then its PackStats row
+        width = 2 + len(PackStats(self._names).to_row())
+        self._shared = torch.zeros((_MAX_SLOTS, width), dtype=torch.float64).share_memory_()
+        self._next_start: dict[str, Any] | None = None  # a loaded state: where the next iteration starts
+        self._state: dict[str, Any] | None = None  # after the last pack yielded, or where this iteration started
         self._len: int | None = None
         self._epoch = 0
 
@@ -118,10 +416,13 @@ class PackedDataset(torch.utils.data.IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         self._rank_world()  # resolve in the main process: a spawned DataLoader worker has no process group
-        return {**self.__dict__, "_live": None}
+        return {**self.__dict__, "_state": None}
 
     def _config(self) -> dict[str, Any]:
         return {**{k: getattr(self.cfg, k) for k in _PLAN_KEYS}, "sources": list(self._names), "weights": self.weights}
+
+    def _header(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION, "config": self._config(), "epoch": self._epoch}
 
     def set_epoch(self, epoch: int) -> None:
         """Passes `epoch` to a `datasets.IterableDataset` source (reshuffles its shards if it was shuffled)."""
@@ -131,21 +432,19 @@ class PackedDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
         rank, world = self._rank_world()
         info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        start, self._resume = self._resume, None
+        where = {"rank": rank, "world_size": world, "worker": info.id if info else 0,
+                 "num_workers": info.num_workers if info else 1}
+        start, self._next_start = self._next_start, None
         position = start.get("position") if start else None
-        if position is not None:
-            for key, value in (("rank", rank), ("world_size", world), ("worker", worker), ("num_workers", workers)):
-                if start[key] != value:
-                    raise ValueError(f"state was saved with {key}={start[key]} but this run has {key}={value}; resume "
-                                     f"with the same {key} (DataLoader num_workers, torch.distributed world)")
-        replica = Replica(self.cfg, self.processor, self._source, names=self._names, epoch=self._epoch, rank=rank,
-                          world=world, worker=worker, workers=workers, resume=position, log=rank == 0 and worker == 0)
-        # set now, not at the first next(): state_dict() right after iter() must describe this pass
-        self._live = {"start": start, "snapshot": None, "where": (rank, world, worker, workers)}
-        return self._iterate(replica, self._live, worker + 1 if info is not None else 0, info is not None)
+        for key, value in where.items() if position is not None else ():
+            if start[key] != value:
+                raise ValueError(f"state was saved with {key}={start[key]} but this run has {key}={value}; resume "
+                                 f"with the same {key} (DataLoader num_workers, torch.distributed world)")
+        replica = _Replica(self, where["worker"], where["num_workers"], position)
+        self._state = start  # now, not at the first next(): state_dict() right after iter() describes this pass
+        return self._iterate(replica, position, where, in_worker=info is not None)
 
-    def _iterate(self, replica: Replica, live: dict[str, Any], slot: int, in_worker: bool,
+    def _iterate(self, replica: _Replica, start: dict[str, Any] | None, where: dict[str, int], *, in_worker: bool,
                  ) -> Iterator[list[dict[str, Any]]]:
         items: queue.Queue = queue.Queue(maxsize=self.cfg.prefetch)
 
@@ -163,86 +462,64 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 torch.set_num_threads(1)  # per thread under OpenMP: small image ops stay off training's cores
             try:
                 replica.run(put)
-                put(("done", replica.snapshot(replica.counters(), 0)))
+                put(("done", replica.stats.to_row()))
             except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
                 put(("error", err))
 
         thread = threading.Thread(target=produce, name=f"hf_packing-r{replica.rank}w{replica.worker}", daemon=True)
-        table = self._shared.numpy()
-        table[slot] = 0
-        table[slot, self._col["t0"]] = time.time()
-        if live["start"] is not None and live["start"].get("position") is not None:
-            self._publish(slot, live["start"]["position"]["counters"])
+        slot = replica.worker + 1 if in_worker else 0
+        self._shared[slot] = 0
+        self._shared[slot, 0] = time.time()
+        if start is not None:
+            self._publish(slot, start["stats"])
         thread.start()
         try:
             while True:
                 try:
-                    item = items.get(timeout=1.0)
+                    kind, *payload = items.get(timeout=1.0)
                 except queue.Empty:
                     if not thread.is_alive():
                         raise RuntimeError("the hf_packing producer thread ended without a result") from None
                     continue
-                if item[0] == "error":
-                    raise item[1]
-                snap = item[-1]
-                self._publish(slot, {**snap["window"].counters, **snap})
-                if item[0] == "done":
+                if kind == "error":
+                    raise payload[0]
+                if kind == "done":
+                    self._publish(slot, payload[0])
                     if not in_worker:
                         self._len = replica.next_group
                     if replica.rank == 0 and replica.worker == 0:
                         self.stats(log=True)
                     return
-                live["snapshot"] = snap
-                yield item[1]
+                samples, position = payload
+                self._publish(slot, position["stats"])
+                self._state = {**self._header(), **where, "position": position}
+                yield samples
         finally:
             replica.stop.set()
             thread.join(timeout=10)
 
-    def _publish(self, slot: int, counters: Mapping[str, Any]) -> None:
-        row, col = self._shared.numpy()[slot], self._col
-        values = {**counters["global"], **{f"skip/{k}": v for k, v in counters["meta_skips"].items()},
-                  **{f"pskip/{k}": v for k, v in counters["proc_skips"].items()}, **counters["mine"]}
-        values["packs_yielded"] = counters["mine"].get("packs", 0)
-        values["packs"] = counters["global"].get("packs", 0)
-        values["t1"] = time.time()
-        for key, value in values.items():
-            if key in col:
-                row[col[key]] = value
+    def _publish(self, slot: int, stats_row: list[int]) -> None:
+        self._shared[slot, 1] = time.time()
+        self._shared[slot, 2:] = torch.tensor(stats_row, dtype=torch.float64)
 
     # ------------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The state after the last pack yielded to the consumer (not merely produced): plain Python data.
-
-        Loading it into a new `pack_dataset(...)` with the same settings, rank, world size and worker count yields
-        exactly the packs that would have followed. It holds the planner's open packs, the planned but unassigned
-        packs, the rank costs, counters, and the source position (a `datasets` state_dict or a row number) at the
-        oldest row still needed plus the row where planning continues.
-        """
-        live = self._live
-        if live is not None and live["snapshot"] is not None:
-            snap, (rank, world, worker, workers) = live["snapshot"], live["where"]
-            w = snap["window"]
-            position = {"planner": w.planner, "unassigned": w.packs[snap["offset"]:], "next_group": snap["next_group"],
-                        "costs": snap["costs"], "source": {"state": w.source_state, "s0": w.s0, "next_seq": w.next_seq},
-                        "counters": {**w.counters, **{k: snap[k] for k in ("mine", "proc_skips")}}}
-            return {"version": _STATE_VERSION, "config": self._config(), "epoch": self._epoch, "rank": rank,
-                    "world_size": world, "worker": worker, "num_workers": workers, "position": position}
-        if live is not None and live["start"] is not None:
-            return live["start"]
-        if self._resume is not None:
-            return self._resume
-        return {"version": _STATE_VERSION, "config": self._config(), "epoch": self._epoch, "position": None}
+        """The state after the last pack yielded to the consumer (not merely produced), as plain Python data: loaded
+        into a new `pack_dataset(...)` with the same settings, rank, world size and worker count, it yields exactly the
+        packs that would have followed (see the module docstring, 5.)."""
+        return self._state or self._next_start or {**self._header(), "position": None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a [`~PackedDataset.state_dict`]; the next iteration continues after its last yielded pack."""
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported pack_dataset state version {state.get('version')!r}")
-        mine = self._config()
+            raise ValueError(f"unsupported pack_dataset state version {state.get('version')!r} (this version reads "
+                             f"{_STATE_VERSION})")
+        ours = self._config()
         for key, value in state["config"].items():
-            if mine.get(key) != value:
-                raise ValueError(f"state was saved with {key}={value!r} but this dataset has {key}={mine.get(key)!r}; "
+            if ours.get(key) != value:
+                raise ValueError(f"state was saved with {key}={value!r} but this dataset has {key}={ours.get(key)!r}; "
                                  f"pass {key}={value!r} to pack_dataset to resume")
-        self._resume, self._live, self._epoch = dict(state), None, int(state.get("epoch", 0))
+        self._next_start, self._state, self._epoch = dict(state), None, int(state.get("epoch", 0))
 
     # ------------------------------------------------------------------------------------------------ stats
     def stats(self, log: bool = True) -> dict[str, Any]:
@@ -259,50 +536,47 @@ class PackedDataset(torch.utils.data.IterableDataset):
             group of `world_size` packs, yielded by no rank); `complete`; `per_source` (`{name: {rows, samples}}`).
         """
         table = self._shared.numpy().copy()
-        used = table[table[:, self._col["t0"]] > 0]
+        used = table[table[:, 0] > 0]
         used = used if len(used) else table[:1]
-        top, total = used.max(axis=0), used.sum(axis=0)  # planning counters are the same on every replica
+        stats = PackStats.merge(self._names, used[:, 2:])
+        packs, samples, tokens = stats.packs, sum(stats.samples.values()), stats.tokens
+        elapsed = max(float(used[:, 1].max() - used[:, 0].min()), 1e-9)
+        planning: Counter = Counter()
+        for (_, reason), n in stats.planning_skips.items():
+            planning[reason] += n
 
-        def get(key: str, agg: Any = total) -> int:
-            return int(agg[self._col[key]])
+        def by_reason(counter: Counter) -> dict[str, int]:
+            return {reason: counter[reason] for reason in REASONS if counter[reason]}
 
-        packs, samples, tokens = get("packs_yielded"), get("samples"), get("tokens")
-        elapsed = max(float(used[:, self._col["t1"]].max() - used[:, self._col["t0"]].min()), 1e-9)
-        planning = {r: get(f"skip/{r}", top) for r in SKIPS if get(f"skip/{r}", top)}
-        processing = {r: get(f"pskip/{r}") for r in SKIPS if get(f"pskip/{r}")}
-        skipped = {r: planning.get(r, 0) + processing.get(r, 0) for r in SKIPS}
-        in_slots = get("in_pad_slots", top) + get("in_batch_n", top) * get("in_batch_max", top)
-        padded = get("in_tokens", top) / in_slots if in_slots else 1.0
+        slots = stats.padded_slots + stats.batch_rows * stats.batch_longest
+        padded = stats.padded_tokens / slots if slots else 1.0
         out = {"packs": packs, "samples": samples, "tokens": tokens,
                "fill": tokens / (packs * self.cfg.max_length) if packs else 0.0,
                "padded_batch_fill": padded, "padding_ratio_padded_batches": 1.0 - padded,
                "packs_per_s": packs / elapsed, "samples_per_s": samples / elapsed,
-               "images_per_pack": get("images") / packs if packs else 0.0,
-               "skipped": {r: n for r, n in skipped.items() if n}, "skipped_while_planning": planning,
-               "skipped_while_processing": processing, "rows_read": get("rows", top),
-               "planned_packs": get("packs", top), "leftover_packs": get("leftover_packs", top),
-               "leftover_samples": get("leftover_samples", top), "complete": bool(get("done", top)),
-               "per_source": {n: {"rows": get(f"rows/{n}", top), "samples": get(f"samples/{n}")} for n in self._names}}
+               "images_per_pack": stats.images / packs if packs else 0.0,
+               "skipped": by_reason(planning + stats.processing_skips), "skipped_while_planning": by_reason(planning),
+               "skipped_while_processing": by_reason(stats.processing_skips),
+               "rows_read": sum(stats.rows.values()), "planned_packs": stats.planned_packs,
+               "leftover_packs": stats.leftover_packs, "leftover_samples": stats.leftover_samples,
+               "complete": bool(stats.complete),
+               "per_source": {n: {"rows": stats.rows[n], "samples": stats.samples[n]} for n in self._names}}
         if log:
-            logger.info("pack_dataset rank %s: %d packs, %d samples, fill %.4f (padded batches of 8: %.4f), %.1f "
+            logger.info("pack_dataset rank %s: %d packs, %d samples, fill %.4f (padded batches of %d: %.4f), %.1f "
                         "samples/s, %.2f images/pack, skipped %s, %d packs left over", self.rank, packs, samples,
-                        out["fill"], padded, out["samples_per_s"], out["images_per_pack"], out["skipped"] or "none",
-                        out["leftover_packs"])
+                        out["fill"], PADDED_BATCH, padded, out["samples_per_s"], out["images_per_pack"],
+                        out["skipped"] or "none", out["leftover_packs"])
         return out
 
     def count_packs(self, *, disable_progress: bool | None = None) -> int:
-        """Plans the whole source here from metadata (no pixels; tqdm bar on rank 0) and returns the packs per rank.
-
-        Afterwards `len()` works. Costs one metadata pass (~0.1-0.3 ms per row on one core).
-        """
+        """Plans the whole source here from metadata (no pixels; tqdm bar on rank 0) and returns the packs per rank;
+        afterwards `len()` works. Costs one metadata pass (see the module docstring for what a row costs)."""
         from tqdm.auto import tqdm
 
-        rank, world = self._rank_world()
+        replica = _Replica(self, 0, 1, None)
         disable = self.cfg.disable_progress if disable_progress is None else disable_progress
-        replica = Replica(self.cfg, self.processor, self._source, names=self._names, epoch=self._epoch, rank=rank,
-                          world=world, worker=0, workers=1, log=rank == 0)
         with tqdm(total=self._source.size, desc="hf_packing: planning", unit=" rows",
-                  disable=disable or rank != 0 or not sys.stderr.isatty()) as bar:
+                  disable=disable or replica.rank != 0 or not sys.stderr.isatty()) as bar:
             replica.run(None, progress=bar)
         self._len = replica.next_group
         return self._len
@@ -338,7 +612,7 @@ def pack_dataset(
     prefetch: int = 4,
     batch_size: int = 1,
     stopping_strategy: str = "first_exhausted",
-    max_image_pixels: int = 89_478_485,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
     disable_progress: bool = False,
     leftovers: str = "drop",
 ) -> PackedDataset:
@@ -350,28 +624,34 @@ def pack_dataset(
             per source; each source keeps its own format. Rows are not shuffled here: shuffle `ds` first.
         processor: the model's processor (Qwen2-VL, Qwen2.5-VL and Qwen3-VL families).
         max_length (`int`, defaults to 8192): token budget per pack.
-        strategy (`str`, defaults to `"bfd"`): `"bfd"` or `"next_fit"` (see `planner.py`).
+        strategy (`str`, defaults to `"bfd"`): one of `hf_packing.planner.STRATEGIES` (see `hf_packing/planner.py`).
         max_images (`int`, *optional*, defaults to 16): images per pack; a sample with more is skipped.
         max_vision_patches (`int`, *optional*, defaults to 65536): Σ t·h·w per pack (bounds the vision tower's memory).
         buffer_size (`int`, defaults to 1000): planner window (memory ≈ window + open packs, in rows).
         seed (`int`, defaults to 0): mixing seed.
         weights (`dict` or `list`, *optional*): sampling probabilities of a dict `ds`'s sources.
         media_root (`str` or `dict`, *optional*): root of relative image and video paths, one for all sources or
-            `{source: root}`; paths escaping it are refused. `image_root` is its former name (one root).
+            `{source: root}`; a path escaping it (`..`, absolute, symlink) is refused (`"path_outside_root"`). Without
+            it paths are used as given. `image_root` is its former name (one root).
         video_root (`str` or `dict`, *optional*): root of relative video (frame) paths where it is not `media_root`.
         fps (`float` or `dict`, *optional*): sampling rate of pre-sampled video frames, one or `{source: fps}`; a
-            row's own `fps` wins. Without it the processor assumes 24 fps (wrong temporal positions for sparse frames).
+            row's own `fps` wins. It reaches the processor as `video_metadata` (Qwen2.5-VL `second_per_grid_ts`,
+            Qwen3-VL timestamps); without it the processor assumes 24 fps (wrong for sparse frames).
         row_format (`str` or `dict`, defaults to `"auto"`): `"messages"`, `"llava"` or `"auto"` (detected from each
             source's own columns), one or `{source: format}`.
-        train_on (`str`, defaults to `"assistant"`): supervise assistant turns, or `"all"` text.
-        on_overlong (`str`, defaults to `"drop"`): `"drop"`, `"error"` or `"truncate_text"` (never cuts an image).
+        train_on (`str`, defaults to `"assistant"`): supervise each assistant turn's content and its `<|im_end|>`, or
+            `"all"` text. Vision tokens (pads, `<|vision_start|>` / `<|vision_end|>`, video timestamps) never are.
+        on_overlong (`str`, defaults to `"drop"`): `"drop"` (reason `"overlong"`), `"error"` (raise) or
+            `"truncate_text"`: keep the first `max_length` tokens if every vision span ends inside them, else drop
+            (reason `"overlong_vision"`); an image is never cut.
         on_error (`str`, defaults to `"skip"`): skip bad rows and count them by reason, or `"raise"`.
         rank, world_size (`int`, *optional*): default to torch.distributed if initialized, else 0 and 1.
         prefetch (`int`, defaults to 4): packs the producer thread may run ahead of the consumer.
         batch_size (`int`, defaults to 1): the DataLoader's batch size in packs; workers take packs in blocks of it so
             batches do not depend on `num_workers`.
         stopping_strategy (`str`, defaults to `"first_exhausted"`): when mixing (`"all_exhausted"` oversamples).
-        max_image_pixels (`int`, defaults to 89,478,485): images larger than this (by header) are skipped.
+        max_image_pixels (`int`, defaults to 89,478,485): images larger than this (by header) are skipped before
+            anything is decoded; PIL's decompression-bomb limit applies too.
         disable_progress (`bool`, defaults to `False`): no tqdm bar for planning passes.
         leftovers (`str`, defaults to `"drop"`): the last group of fewer than `world_size` packs: `"drop"` leaves it
             over (counted in `stats()`); `"spread"` gives it one pack per rank and the remaining ranks a 1-token
@@ -392,12 +672,9 @@ def pack_dataset(
     >>> loader = DataLoader(train, batch_size=1, num_workers=4, collate_fn=VisionCollator(processor))
     ```
     """
+    settings = dict(locals())  # first: only the arguments
     if image_root is not None and media_root is not None:
         raise ValueError("image_root is the former name of media_root: pass one of them")
-    cfg = PackConfig(max_length=max_length, strategy=strategy, max_images=max_images,
-                     max_vision_patches=max_vision_patches, buffer_size=buffer_size, seed=seed,
-                     media_root=image_root if media_root is None else media_root, video_root=video_root, fps=fps,
-                     row_format=row_format, train_on=train_on, on_overlong=on_overlong, on_error=on_error,
-                     prefetch=prefetch, batch_size=batch_size, stopping_strategy=stopping_strategy,
-                     max_image_pixels=max_image_pixels, disable_progress=disable_progress, leftovers=leftovers)
+    settings["media_root"] = image_root if media_root is None else media_root
+    cfg = PackConfig(**{field.name: settings[field.name] for field in dataclasses.fields(PackConfig)})
     return PackedDataset(ds, processor, cfg, weights=weights, rank=rank, world_size=world_size)
