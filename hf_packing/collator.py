@@ -39,12 +39,17 @@ def _as_long(x: Any) -> torch.Tensor:
     return t.reshape(-1).long()
 
 
-def _family_of(processor) -> str | None:
+#: processor class-name prefix → the families that ship it (Qwen3-VL's processor serves four).
+_PROCESSOR_FAMILIES = (
+    ("qwen3vl", ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")),
+    ("qwen25vl", ("qwen2_5_vl",)),
+    ("qwen2vl", ("qwen2_vl",)),
+)
+
+
+def _families_of(processor) -> tuple[str, ...]:
     name = type(processor).__name__.lower().replace("_", "")
-    for model_type in ("qwen3_vl", "qwen2_5_vl", "qwen2_vl"):
-        if name.startswith(model_type.replace("_", "")):
-            return model_type
-    return None
+    return next((families for prefix, families in _PROCESSOR_FAMILIES if name.startswith(prefix)), ())
 
 
 class RopeIndex:
@@ -89,8 +94,9 @@ class VisionCollator:
             moves that Python loop off the training step into DataLoader workers).
         pad_to_multiple_of (`int`, *optional*): pad rows (``"rows"``) to a multiple of this length.
         return_cu_seqlens (`bool`, *optional*): add ``cu_seqlens`` / ``max_seqlen`` in ``"rows"`` mode. By default
-            only while `apply_rmpad` is active for this family: an unpatched model would hand a ``cu_seqlens``
-            key to its vision tower, which reads it as its own.
+            only while `apply_rmpad` is active for this family (without ``model_config``: for a family that ships
+            this processor): an unpatched model would hand a ``cu_seqlens`` key to its vision tower, which reads it
+            as its own.
 
     Returns (``__call__``), ``"rows"``: ``input_ids``/``labels``/``attention_mask``/``mm_token_type_ids`` ``(B, L)``,
     the concatenated vision tensors, optional ``position_ids (3, B, L)``, ``cu_seqlens`` int32 ``(B+1,)`` and
@@ -111,7 +117,7 @@ class VisionCollator:
         self.padding_side = padding_side or getattr(tokenizer, "padding_side", "right")
         self.pad_to_multiple_of = pad_to_multiple_of
         self.return_cu_seqlens = return_cu_seqlens
-        self.family = model_config.model_type if model_config is not None else _family_of(processor)
+        self.families = (model_config.model_type,) if model_config is not None else _families_of(processor)
         self.rope_index = RopeIndex(model_config) if model_config is not None else None
         self.image_token_id = getattr(processor, "image_token_id", None) or getattr(model_config, "image_token_id", None)
         self.video_token_id = getattr(processor, "video_token_id", None) or getattr(model_config, "video_token_id", None)
@@ -161,7 +167,7 @@ class VisionCollator:
             return self.return_cu_seqlens
         from .patches import is_applied
 
-        return self.family is not None and is_applied(self.family)
+        return any(is_applied(family) for family in self.families)
 
     # ------------------------------------------------------------------------------------------ collation
     def __call__(self, features: Sequence[Any]) -> dict[str, Any]:
