@@ -193,14 +193,15 @@ def test_generation_falls_back_to_original_forward(model_type):
     assert torch.equal(model.generate(**inputs, **kwargs), ref)
 
 
-def test_gradient_checkpointing_equivalent():
-    model, processor = model_and_processor("qwen3_vl")
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_5"])
+def test_gradient_checkpointing_equivalent(model_type):
+    model, processor = model_and_processor(model_type)
     batch = processed_batch(processor, conversations(with_video=False))
     ref = loss_and_grads(model, batch)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    hf_packing.apply_rmpad("qwen3_vl")
-    assert_equivalent(ref, loss_and_grads(model, batch), "grad-ckpt")
+    hf_packing.apply_rmpad(model_type)
+    assert_equivalent(ref, loss_and_grads(model, batch), f"{model_type}/grad-ckpt")
 
 
 def test_peft_lora_equivalent():
