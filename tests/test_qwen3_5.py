@@ -17,6 +17,7 @@ import torch
 
 import hf_packing
 from hf_packing import VisionCollator, linear_attention
+from hf_packing.patches import is_applied
 from hf_packing.varlen import PackedSequences
 from tests.conftest import load_processor, processed_batch, processed_samples
 from tests.kernels import KernelContractError, install_linear_kernels
@@ -42,6 +43,8 @@ def each_sample_alone(model, samples) -> tuple[float, dict[str, torch.Tensor]]:
 
 @functools.lru_cache(maxsize=None)
 def _oracle(model_type: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """Each sample alone on the unpatched model; tests take it before they patch anything."""
+    assert not is_applied(model_type), "the oracle runs on the unpatched model"
     model, processor = model_and_processor(model_type)
     return each_sample_alone(model, processed_samples(processor))
 
@@ -60,10 +63,10 @@ def layout_batch(model, model_type: str, layout: str) -> dict:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_patched_equals_each_sample_alone_unpatched(model_type, layout):
-    model, _ = model_and_processor(model_type)
+    oracle, (model, _) = _oracle(model_type), model_and_processor(model_type)
     batch = layout_batch(model, model_type, layout)
     hf_packing.apply_rmpad(model_type)
-    assert_equivalent(_oracle(model_type), loss_and_grads(model, batch), f"{model_type}/{layout} vs each alone")
+    assert_equivalent(oracle, loss_and_grads(model, batch), f"{model_type}/{layout} vs each alone")
 
 
 def _unpatched_padded_report(model_type: str, side: str) -> None:
@@ -128,7 +131,7 @@ def test_negative_control_ignoring_boundaries_in_linear_layers(ignored, monkeypa
     more than the tolerance, for the conv window alone, the recurrent state alone, and both. (The loss of a random
     tiny model, near ln(vocab) for any input, moves less.)"""
     model_type = "qwen3_5"
-    model, processor = model_and_processor(model_type)
+    (ref_loss, ref_grads), (model, processor) = _oracle(model_type), model_and_processor(model_type)
     batch = layout_batch(model, model_type, "packed_cu_seqlens")
     alone = torch.cat([_linear_layer_output(model, {k: (v[None] if k in ROW_KEYS else v) for k, v in s.items()})
                        for s in processed_samples(processor)])
@@ -140,7 +143,7 @@ def test_negative_control_ignoring_boundaries_in_linear_layers(ignored, monkeypa
     if ignored in ("recurrent_state", "both"):
         monkeypatch.setattr(linear_attention, "gated_delta_rule",
                             _ignoring_boundaries(linear_attention.gated_delta_rule, 5))
-    (ref_loss, ref_grads), (loss, grads) = _oracle(model_type), loss_and_grads(model, batch)
+    loss, grads = loss_and_grads(model, batch)
     loss_err = abs(loss - ref_loss) / abs(ref_loss)
     grad_err = max(((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items())
     dropped = layer_diff()
@@ -154,11 +157,11 @@ def test_negative_control_ignoring_boundaries_in_linear_layers(ignored, monkeypa
 def test_fla_path_through_strict_stand_ins(model_type, monkeypatch):
     """linear_backend='fla' on CPU through stand-ins that refuse what FLA refuses: fp32 equals each sample alone,
     and every linear-attention layer called both kernels once, with int64 cu_seqlens and (1, T, ...) layout."""
+    oracle, (model, _) = _oracle(model_type), model_and_processor(model_type)
     calls = install_linear_kernels(monkeypatch)
-    model, _ = model_and_processor(model_type)
     batch = layout_batch(model, model_type, "packed_cu_seqlens")
     hf_packing.apply_rmpad(model_type, linear_backend="fla")
-    assert_equivalent(_oracle(model_type), loss_and_grads(model, batch), f"{model_type}/fla stand-ins vs each alone")
+    assert_equivalent(oracle, loss_and_grads(model, batch), f"{model_type}/fla stand-ins vs each alone")
     n_linear = model.config.text_config.layer_types.count("linear_attention")
     assert calls == {"chunk_gated_delta_rule": [torch.float32] * n_linear, "causal_conv1d": [torch.float32] * n_linear}
 
@@ -169,7 +172,7 @@ def test_fla_and_flash_stand_ins_under_autocast(model_type, monkeypatch):
     bf16 q/k/v and x; the error against the fp32 oracle is within 2x of each sample alone under plain autocast."""
     from tests.kernels import install_kernel
 
-    model, processor = model_and_processor(model_type)
+    oracle, (model, processor) = _oracle(model_type), model_and_processor(model_type)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = each_sample_alone(model, processed_samples(processor))
     calls = install_linear_kernels(monkeypatch)
@@ -178,7 +181,7 @@ def test_fla_and_flash_stand_ins_under_autocast(model_type, monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         patched = loss_and_grads(model, layout_batch(model, model_type, "packed_cu_seqlens"))
     flat = lambda run: (run[0], torch.cat([run[1][n].float().flatten() for n in sorted(run[1])]))  # noqa: E731
-    assert_within_2x(flat(_oracle(model_type)), flat(plain), flat(patched), f"{model_type}/fla+flash/autocast")
+    assert_within_2x(flat(oracle), flat(plain), flat(patched), f"{model_type}/fla+flash/autocast")
     assert set(calls["chunk_gated_delta_rule"]) == set(calls["causal_conv1d"]) == {torch.bfloat16}
 
 
