@@ -10,7 +10,7 @@ import importlib
 import importlib.util
 import inspect
 from functools import lru_cache
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 #: transformers versions the patches are tested against (inclusive lower, exclusive upper bound).
 SUPPORTED_TRANSFORMERS = ("5.17", "5.24")
@@ -85,3 +85,23 @@ def liger_fused_linear_cross_entropy():
     except Exception:
         return None
     return liger_fused_linear_cross_entropy
+
+
+@lru_cache(maxsize=None)
+def fla_linear_ops() -> SimpleNamespace | None:
+    """flash-linear-attention's varlen kernels, or ``None`` when the package (or its Triton build) is missing.
+
+    Returns a namespace with ``chunk_gated_delta_rule`` (``fla.ops.gated_delta_rule``) and ``causal_conv1d``
+    (``fla.modules.convolution``: a module in 0.4-0.5, an alias in 0.6), both taking ``cu_seqlens``. Qwen3.5's
+    grouped values (more value than key heads) need >= 0.5, which the ``linear`` extra pins.
+    """
+    if importlib.util.find_spec("fla") is None:
+        return None
+    try:
+        from fla.modules.convolution import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # no Triton, no GPU driver, or an incompatible torch: treat it as absent
+        return None
+    if "cu_seqlens" not in inspect.signature(causal_conv1d).parameters:
+        return None
+    return SimpleNamespace(chunk_gated_delta_rule=chunk_gated_delta_rule, causal_conv1d=causal_conv1d)

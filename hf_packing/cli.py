@@ -8,15 +8,17 @@ import sys
 from pathlib import Path
 
 from .planner import STRATEGIES
+from .tiny import MODEL_TYPES
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-packing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="generate data, pack, patch and train a tiny Qwen2.5-VL on CPU")
+    demo = sub.add_parser("demo", help="generate data, pack, patch and train a tiny Qwen-VL on CPU")
     demo.add_argument("--output-dir", type=Path, default=Path("demo_out"))
-    demo.add_argument("--model", help="local checkpoint dir (default: a tiny random Qwen2.5-VL saved in output-dir)")
+    demo.add_argument("--model", help="local checkpoint dir (default: a tiny random --model-type saved in output-dir)")
+    demo.add_argument("--model-type", default="qwen2_5_vl", choices=MODEL_TYPES, help="family of the tiny model")
     demo.add_argument("--processor", help="local processor dir (default: the model dir)")
     demo.add_argument("--dataset", help="saved datasets dir or json/jsonl/parquet (default: generated)")
     demo.add_argument("--num-samples", type=int, default=320)
@@ -49,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import DemoConfig, run_demo
 
         summary = run_demo(DemoConfig(
-            output_dir=args.output_dir, model=args.model, processor=args.processor, dataset=args.dataset,
-            num_samples=args.num_samples, max_length=args.max_length, strategy=args.strategy, epochs=args.epochs,
-            learning_rate=args.learning_rate, seed=args.seed,
+            output_dir=args.output_dir, model=args.model, model_type=args.model_type, processor=args.processor,
+            dataset=args.dataset, num_samples=args.num_samples, max_length=args.max_length, strategy=args.strategy,
+            epochs=args.epochs, learning_rate=args.learning_rate, seed=args.seed,
         ))
         first, last = summary["loss first -> last"]
         if not last < first:

@@ -1,7 +1,7 @@
 """``hf-packing demo``: the whole stack on CPU in about two minutes.
 
-Generates a multimodal dataset on disk, saves a tiny random Qwen2.5-VL and its processor and loads them
-back with ``from_pretrained`` (the loading code a real checkpoint uses), packs at 2048 tokens, patches
+Generates a multimodal dataset on disk, saves a tiny random Qwen2.5-VL (or another family: ``model_type``) and
+its processor and loads them back with ``from_pretrained`` (the loading code a real checkpoint uses), packs at 2048 tokens, patches
 the model with `apply_rmpad` and trains with the HF Trainer and `VisionCollator`. Prints a summary and
 writes ``packs.png`` and ``loss.png``. Every step can point at the user's own model, processor and data.
 """
@@ -19,7 +19,8 @@ logger = logging.getLogger("hf_packing")
 @dataclass
 class DemoConfig:
     output_dir: Path
-    model: str | None = None          # a local checkpoint dir; default: a tiny random Qwen2.5-VL saved here
+    model: str | None = None          # a local checkpoint dir; default: a tiny random `model_type` saved here
+    model_type: str = "qwen2_5_vl"    # the tiny model's family when `model` is not given
     processor: str | None = None      # default: the model dir
     dataset: str | None = None        # a saved datasets dir or json/jsonl/parquet; default: generated here
     num_samples: int = 320
@@ -35,9 +36,9 @@ def _prepare(cfg: DemoConfig) -> tuple[str, str, str]:
     from .tiny import save_tiny_checkpoint
 
     out = cfg.output_dir
-    model_dir = cfg.model or str(out / "tiny-qwen2_5_vl")
+    model_dir = cfg.model or str(out / f"tiny-{cfg.model_type}")
     if cfg.model is None and not (Path(model_dir) / "config.json").exists():
-        save_tiny_checkpoint("qwen2_5_vl", model_dir, seed=cfg.seed)
+        save_tiny_checkpoint(cfg.model_type, model_dir, seed=cfg.seed)
     data_dir = cfg.dataset or str(out / "data")
     if cfg.dataset is None and not (Path(data_dir) / "dataset_info.json").exists():
         save_synthetic_dataset(data_dir, cfg.num_samples, seed=cfg.seed)

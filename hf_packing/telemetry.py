@@ -16,13 +16,17 @@ and adds ``packing/*`` keys to the ``logs`` dict:
 
 FLOPs per optimizer step (forward + backward, the usual 6·N·T, attention counted per document)::
 
-    6·N·T  +  6·L·d·Σ_i len_i²  +  c_v·N_v·P
+    6·N·T  +  6·L·d·Σ_i len_i²  +  18·L_lin·S·T  +  c_v·N_v·P
 
     N    text parameters without the input-embedding lookup (decoder layers, final norm, the LM head
          matmul d·V even when tied); MoE experts count k/E of their weights (only the active ones)
     T    real tokens; len_i each document's length (from cu_seqlens / cu_seq_lens_q, else a row's
-         attention_mask sum, else the row); L layers; d = heads·head_dim
+         attention_mask sum, else the row); L softmax-attention layers; d = heads·head_dim
     6·L·d·len²  QKᵀ and AV: 2·2·len²·d forward per layer, ×3 with backward, ½ for the causal mask
+    L_lin, S  Qwen3.5's Gated DeltaNet layers (``layer_types`` "linear_attention", not in L) and their recurrent
+         state size S = value heads·d_k·d_v. Linear in T: per token the state is read by k, written (k ⊗ δ) and
+         read by q, 3·2·S forward, ×3 with backward. Model FLOPs, as for softmax attention: the chunked kernel's
+         intra-chunk products (~2·64·(d_k+d_v) per head and token) are the algorithm's, not counted
     N_v  vision-tower parameters per patch (merger weights / merge², as it runs on merged tokens)
     P    vision patches Σ t·h·w of image_grid_thw and video_grid_thw; c_v = 6, or 2 if the tower is frozen
          (forward only). Vision attention and a dummy_vision image are not counted.
@@ -70,6 +74,8 @@ class ModelFlops:
     n_layers: int
     attn_dim: int
     vision_trainable: bool = True
+    n_linear_layers: int = 0
+    linear_state: int = 0
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> "ModelFlops":
@@ -92,11 +98,15 @@ class ModelFlops:
                 vision_trainable |= p.requires_grad
             elif "embed_tokens" not in name:
                 n_text += numel * active / experts if experts and active and ".experts." in name else numel
-        return cls(n_text, n_vision, text.num_hidden_layers, heads * head_dim, vision_trainable)
+        n_linear = list(getattr(text, "layer_types", None) or []).count("linear_attention")
+        state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim if n_linear else 0
+        return cls(n_text, n_vision, text.num_hidden_layers - n_linear, heads * head_dim, vision_trainable, n_linear,
+                   state)
 
     def flops(self, *, real_tokens: float, sum_sq_lens: float, vision_patches: float) -> float:
         """Training FLOPs (forward + backward) for the given counts."""
         attention = 6.0 * self.n_layers * self.attn_dim * sum_sq_lens
+        attention += 18.0 * self.n_linear_layers * self.linear_state * real_tokens
         vision = (6.0 if self.vision_trainable else 2.0) * self.n_vision * vision_patches
         return 6.0 * self.n_text * real_tokens + attention + vision
 

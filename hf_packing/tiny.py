@@ -1,7 +1,8 @@
 """Tiny, random-weight, fully-local Qwen-VL models and processors for tests.
 
-Four families are supported, named by ``config.model_type``: ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"`` and
-``"qwen3_vl_moe"``. Nothing is downloaded: the tokenizer is a byte-level BPE trained in-process on a small built-in
+Six families are supported, named by ``config.model_type``: ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``,
+``"qwen3_vl_moe"``, ``"qwen3_5"`` and ``"qwen3_5_moe"`` (hybrid: Gated DeltaNet linear-attention layers and full-attention
+layers). Nothing is downloaded: the tokenizer is a byte-level BPE trained in-process on a small built-in
 text, the image/video processors are the families' real classes with small pixel budgets, and the models are the
 real ``*ForConditionalGeneration`` classes with tiny random weights.
 
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig, PreTrainedModel
 
-MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 BASE_VOCAB: int = 498
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -73,7 +74,8 @@ _CHAT_TEMPLATE = """\
 """
 
 # family -> class-name prefix: f"{prefix}Config", f"{prefix}ForConditionalGeneration"
-_PREFIX = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe"}
+_PREFIX = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe",
+           "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}
 
 
 def _class(model_type: str, kind: str) -> Any:
@@ -83,8 +85,8 @@ def _class(model_type: str, kind: str) -> Any:
     if model_type not in _PREFIX:
         raise ValueError(f"Unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}.")
     prefix = _PREFIX[model_type]
-    if kind == "Processor":
-        prefix = prefix.replace("Moe", "")  # qwen3_vl_moe ships Qwen3VLProcessor
+    if kind == "Processor":  # qwen3_vl_moe, qwen3_5 and qwen3_5_moe ship Qwen3VLProcessor
+        prefix = "Qwen3VL" if model_type.startswith("qwen3") else prefix
     elif kind == "VideoProcessor":
         prefix = "Qwen3VL" if model_type.startswith("qwen3") else "Qwen2VL"
     return getattr(transformers, prefix + kind)
@@ -93,14 +95,15 @@ def _class(model_type: str, kind: str) -> Any:
 def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     """Build a tiny fp32 config for one Qwen-VL family.
 
-    Text: hidden 64, 2 layers, 4 heads, 2 kv heads, intermediate 128 (``qwen3_vl_moe``: 4 experts of width 32, top-2).
-    Vision: depth 2, width 32, 2 heads, spatial merge 2, temporal patch 2; patch 14 (qwen2/2.5) or 16 (qwen3).
+    Text: hidden 64, 2 layers, 4 heads, 2 kv heads, intermediate 128 (MoE: 4 experts of width 32, top-2; Qwen3.5-MoE
+    also a shared expert of width 32). Qwen3.5: layer 0 is Gated DeltaNet linear attention, layer 1 full attention.
+    Vision: depth 2, width 32, 2 heads, spatial merge 2, temporal patch 2; patch 14 (qwen2/2.5) or 16 (qwen3*).
     M-RoPE sections are the family's real ones scaled to the tiny head dim (16 for qwen2/2.5, 32 for qwen3).
     Vocabulary size and special token ids match the tokenizer of [`build_tiny_processor`].
 
     Args:
         model_type (`str`):
-            One of `"qwen2_vl"`, `"qwen2_5_vl"`, `"qwen3_vl"`, `"qwen3_vl_moe"`.
+            One of `MODEL_TYPES`.
         **overrides:
             Top-level config attributes to override. `text_config` / `vision_config` may be dicts; they are merged
             into the tiny defaults instead of replacing them.
@@ -125,8 +128,12 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
             "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64,
             "num_position_embeddings": 256, "deepstack_visual_indexes": [0],
         }  # fmt: skip
+        if model_type.startswith("qwen3_5"):
+            _hybrid(text, vision)
         if model_type == "qwen3_vl_moe":
             text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+        elif model_type == "qwen3_5_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     else:  # real: head_dim 128, mrope [16, 24, 24] -> head_dim 16, [2, 3, 3]
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}
         if model_type == "qwen2_vl":  # Qwen2-VL: `embed_dim` is the ViT width, `hidden_size` the merger output
@@ -149,17 +156,39 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     return config_cls(**kwargs)
 
 
-def _train_tokenizer() -> tuple[dict[str, int], list[tuple[str, str]]]:
+def _hybrid(text: dict[str, Any], vision: dict[str, Any]) -> None:
+    """Qwen3.5: one Gated DeltaNet layer then one full-attention layer (real: 3 then 1, ``full_attention_interval``
+    4), linear heads 2 key / 4 value of dim 16 (real 16 / 32 of 128: grouped values kept), conv kernel 4 (real);
+    full attention head_dim 64 with the real ``partial_rotary_factor`` 0.25 (real mrope [11, 11, 10] -> [3, 3, 2]).
+    The vision tower has no DeepStack."""
+    text.update(
+        layer_types=["linear_attention", "full_attention"], head_dim=64, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "mrope_section": [3, 3, 2],
+                         "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+    )  # fmt: skip
+    del vision["deepstack_visual_indexes"]
+
+
+def _tokenizer_module(model_type: str) -> Any:
+    """The module of the family's real tokenizer class: Qwen3.5 has its own (pre-tokenizer regex, NFC)."""
+    import importlib
+
+    name = "qwen3_5" if model_type.startswith("qwen3_5") else "qwen2"
+    return importlib.import_module(f"transformers.models.{name}.tokenization_{name}")
+
+
+def _train_tokenizer(model_type: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Train a deterministic byte-level BPE (vocab `BASE_VOCAB`) and append the Qwen special tokens."""
     import json
 
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX  # so Qwen2Tokenizer fits the merges
 
+    regex = _tokenizer_module(model_type).PRETOKENIZE_REGEX  # so the family's tokenizer class fits the merges
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -175,13 +204,15 @@ def _train_tokenizer() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return {**vocab, **TOKEN_IDS}, merges
 
 
-def _build_tokenizer() -> Any:
-    """Wrap the trained BPE in `Qwen2Tokenizer` (the real checkpoints' class) with Qwen's special-token setup."""
+def _build_tokenizer(model_type: str) -> Any:
+    """Wrap the trained BPE in the real checkpoints' class (`Qwen2Tokenizer`; `Qwen3_5Tokenizer` for Qwen3.5) with
+    Qwen's special-token setup."""
     from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
 
-    vocab, merges = _train_tokenizer()
-    tok = Qwen2Tokenizer(
+    module = _tokenizer_module(model_type)
+    tokenizer_cls = getattr(module, "Qwen3_5Tokenizer" if model_type.startswith("qwen3_5") else "Qwen2Tokenizer")
+    vocab, merges = _train_tokenizer(model_type)
+    tok = tokenizer_cls(
         vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
         pad_token="<|endoftext|>", model_max_length=32768, extra_special_tokens=list(SPECIAL_TOKENS[1:]),
     )  # fmt: skip
@@ -206,7 +237,7 @@ def build_tiny_processor(model_type: str, save_dir: str | Path) -> Path:
 
     Args:
         model_type (`str`):
-            One of `"qwen2_vl"`, `"qwen2_5_vl"`, `"qwen3_vl"`, `"qwen3_vl_moe"` (the last uses `Qwen3VLProcessor`).
+            One of `MODEL_TYPES` (the qwen3 families other than `"qwen3_vl"` use `Qwen3VLProcessor`).
         save_dir (`str` or `Path`):
             Directory to write to; created if missing.
 
@@ -229,7 +260,7 @@ def build_tiny_processor(model_type: str, save_dir: str | Path) -> Path:
     video_processor = video_cls(size=vid_size, cap_pixels_per_frame=False, **common)
     processor = processor_cls(
         image_processor=image_processor,
-        tokenizer=_build_tokenizer(),
+        tokenizer=_build_tokenizer(model_type),
         video_processor=video_processor,
         chat_template=_CHAT_TEMPLATE,
     )
@@ -242,11 +273,12 @@ def build_tiny_processor(model_type: str, save_dir: str | Path) -> Path:
 def build_tiny_model(
     model_type: str, processor_dir: str | Path | None = None, seed: int = 0, **overrides: Any
 ) -> PreTrainedModel:
-    """Instantiate a random-init fp32 `XForConditionalGeneration` from [`tiny_config`].
+    """Instantiate a random-init fp32 `XForConditionalGeneration` from [`tiny_config`] (Qwen3.5: with its linear
+    layers' decay rates spread, see `_spread_decays`).
 
     Args:
         model_type (`str`):
-            One of `"qwen2_vl"`, `"qwen2_5_vl"`, `"qwen3_vl"`, `"qwen3_vl_moe"`.
+            One of `MODEL_TYPES`.
         processor_dir (`str` or `Path`, *optional*):
             A saved tiny processor. When given, its tokenizer is checked against the config (vocab size and the
             image/video/vision-start/vision-end/eos/pad ids) and a `ValueError` is raised on mismatch.
@@ -266,7 +298,27 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _class(model_type, "ForConditionalGeneration")(config)
+    _spread_decays(model)
     return model.to(torch.float32)
+
+
+def _spread_decays(model: PreTrainedModel) -> None:
+    """Set each Gated DeltaNet layer's decay rates ``A`` log-spaced over transformers' init range [0.01, 16].
+
+    transformers draws ``A`` uniformly from [0.01, 16]; a head keeps ``exp(-A·softplus(a + dt_bias))`` of its state
+    per token, under 1% once ``A > 3.5``, so with 4 value heads most tiny heads would forget everything at once: a
+    state leaking across a boundary would go unseen through them, and their ``A_log`` gradients are cancelling sums
+    of order 1e-9 (round-off). Log-spaced ``A`` = 0.01, 0.12, 1.4, 16 keeps 99%, 86%, 17% and ~0 per token.
+    """
+    import math
+
+    import torch
+
+    for module in model.modules():
+        a_log = getattr(module, "A_log", None)
+        if isinstance(a_log, torch.nn.Parameter):
+            with torch.no_grad():
+                a_log.copy_(torch.logspace(math.log10(0.01), math.log10(16.0), a_log.numel()).log())
 
 
 def check_special_tokens(config: PretrainedConfig, processor_dir: str | Path | Any) -> None:
@@ -302,7 +354,7 @@ def save_tiny_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0, **
 
     Args:
         model_type (`str`):
-            One of `"qwen2_vl"`, `"qwen2_5_vl"`, `"qwen3_vl"`, `"qwen3_vl_moe"`.
+            One of `MODEL_TYPES`.
         out_dir (`str` or `Path`):
             Output directory; created if missing.
         seed (`int`, *optional*, defaults to 0):

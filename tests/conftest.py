@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
 def image(width: int, height: int, seed: int = 0) -> Image.Image:

@@ -9,6 +9,8 @@ contiguous last dimension, head_dim <= 256 and equal for q/k/v, heads of q a mul
 
 `install_kernel(monkeypatch, "flash_attn" | "torch_varlen")` puts one in place of the real package, makes
 the backend count as available on CPU, and returns the list of ``causal`` flags of the calls it received.
+`install_linear_kernels(monkeypatch)` does the same for flash-linear-attention's ``chunk_gated_delta_rule`` and
+``causal_conv1d`` (Qwen3.5's linear-attention layers; their contract is described below).
 """
 
 from __future__ import annotations
@@ -106,4 +108,97 @@ def install_kernel(monkeypatch, name: str) -> list[bool]:
         raise ValueError(name)
     real = varlen.backend_available
     monkeypatch.setattr(varlen, "backend_available", lambda backend, device: backend == name or real(backend, device))
+    return calls
+
+
+# ------------------------------------------------------------------ flash-linear-attention (Qwen3.5 linear attention)
+#
+# What FLA (>= 0.5) checks or needs before its Triton kernels run: ``chunk_gated_delta_rule`` takes q/k of one shape
+# (B, T, H, K), v (B, T, HV, V) with HV % H == 0, g and beta (B, T, HV), q/k/v in one float dtype (its tl.dot needs
+# equal operand types); ``causal_conv1d`` takes x (B, T, D), weight (D, W), bias (D,), activation silu/swish/None.
+# With ``cu_seqlens`` both need B == 1 and a LongTensor (int64, FLA's documented type) on the inputs' device that
+# starts at 0 and ends at T. The stand-ins add what the patch promises: no initial state, no final state, and
+# compute with transformers' torch fallbacks per sequence (in fp32, output in v's / x's dtype, as FLA returns).
+
+FLOATS = HALF + (torch.float32,)
+
+
+def _check_fla_cu_seqlens(cu, batch: int, total: int, device) -> list[int]:
+    _require(batch == 1, f"The batch size is expected to be 1 rather than {batch} when using `cu_seqlens`.")
+    _require(isinstance(cu, torch.Tensor) and cu.dtype == torch.int64, "cu_seqlens must be a LongTensor (int64)")
+    _require(cu.dim() == 1 and cu.is_contiguous(), "cu_seqlens must be a contiguous 1-D tensor")
+    _require(cu.device == device, "cu_seqlens must be on the device of the inputs")
+    _require(int(cu[0]) == 0 and int(cu[-1]) == total and bool((cu[1:] >= cu[:-1]).all()),
+             f"cu_seqlens must start at 0, be non-decreasing and end at the token count {total}")
+    return (cu[1:] - cu[:-1]).tolist()
+
+
+def _torch_fallback(name: str):
+    """transformers' own torch implementation (the hub-kernel decorator and hf_packing's patch unwrapped)."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return inspect.unwrap(getattr(modeling_qwen3_5, name))
+
+
+def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+    """FLA's ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` signature and checks."""
+    _require(q.dim() == 4 and k.shape == q.shape, "q and k must be [B, T, H, K] of one shape")
+    _require(v.dim() == 4 and v.shape[:2] == q.shape[:2], "v must be [B, T, HV, V]")
+    _require(v.shape[2] % q.shape[2] == 0, "For GVA, num_v_heads must be evenly divisible by num_heads")
+    _require(q.dtype in FLOATS and k.dtype == q.dtype and v.dtype == q.dtype,
+             f"q, k, v must share one of fp16/bf16/fp32 ({q.dtype}, {k.dtype}, {v.dtype})")
+    _require(g.shape == v.shape[:3] and beta.shape == v.shape[:3], "g and beta must be [B, T, HV]")
+    _require(g.is_floating_point() and beta.is_floating_point(), "g and beta must be floating point")
+    _require(initial_state is None and not output_final_state, "packed training runs without recurrent states")
+    _require(scale is None or scale == q.shape[-1] ** -0.5, "the stand-in computes with scale 1/sqrt(K)")
+    _require(not kwargs.get("head_first", False), "head_first layout was removed; inputs are [B, T, H, ...]")
+    seqlens = [q.shape[1]] if cu_seqlens is None else _check_fla_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1], q.device)
+    fn = _torch_fallback("torch_chunk_gated_delta_rule")
+    outs = [fn(*(t.float() for t in parts[:3]), g=parts[3].float(), beta=parts[4].float(),
+               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0]
+            for parts in zip(*(t.split(seqlens, dim=1) for t in (q, k, v, g, beta)))]
+    return torch.cat(outs, dim=1).to(v.dtype), None
+
+
+def fla_causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
+                      activation=None, backend="triton", cu_seqlens=None, **kwargs):
+    """FLA's ``fla.modules.convolution.causal_conv1d`` signature and checks."""
+    _require(x.dim() == 3 and x.dtype in FLOATS, f"x must be [B, T, D] in fp16/bf16/fp32, got {tuple(x.shape)} {x.dtype}")
+    _require(weight is not None and weight.dim() == 2 and weight.shape[0] == x.shape[-1], "weight must be [D, W]")
+    _require(bias is None or tuple(bias.shape) == (x.shape[-1],), "bias must be [D]")
+    _require(activation in (None, "silu", "swish"), f"activation {activation!r}: only silu/swish or None")
+    _require(residual is None and initial_state is None and not output_final_state, "no residual or conv states")
+    seqlens = [x.shape[1]] if cu_seqlens is None else _check_fla_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], x.device)
+    fn = _torch_fallback("causal_conv1d_fn")
+    w, b = weight.float(), None if bias is None else bias.float()
+    outs = [fn(piece.float().transpose(1, 2), w, b, activation=activation).transpose(1, 2)
+            for piece in x.split(seqlens, dim=1)]
+    return torch.cat(outs, dim=1).to(x.dtype), None
+
+
+def install_linear_kernels(monkeypatch) -> dict[str, list[torch.dtype]]:
+    """Use the FLA stand-ins on CPU; returns, per op, the dtype of every call's first input."""
+    from types import SimpleNamespace
+
+    from hf_packing import linear_attention
+
+    calls: dict[str, list[torch.dtype]] = {"chunk_gated_delta_rule": [], "causal_conv1d": []}
+
+    def recording(name, fn):
+        def wrapper(x, *args, **kwargs):
+            out = fn(x, *args, **kwargs)
+            calls[name].append(x.dtype)
+            return out
+
+        return wrapper
+
+    ops = SimpleNamespace(**{name: recording(name, fn) for name, fn in (
+        ("chunk_gated_delta_rule", fla_chunk_gated_delta_rule), ("causal_conv1d", fla_causal_conv1d))})
+    monkeypatch.setattr(_compat, "fla_linear_ops", lambda: ops)
+    real = linear_attention.linear_backend_available
+    monkeypatch.setattr(linear_attention, "linear_backend_available",
+                        lambda backend, device: backend == "fla" or real(backend, device))
     return calls

@@ -68,7 +68,7 @@ def test_image_token_mismatch_and_foreign_processor_name_the_sample():
         collate([foreign])
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_position_ids_match_model_rope_index_per_sample(model_type):
     processor = load_processor(model_type)
     model = build_tiny_model(model_type, processor_dir=FIXTURES / model_type)

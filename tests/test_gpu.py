@@ -79,3 +79,35 @@ def test_device_map_split_model_loss_follows_the_head():
     got.backward()
     print(f"device_map split: loss unpatched {ref:.6f} patched {got.item():.6f}")
     assert got.item() == pytest.approx(ref, rel=1e-4)
+
+
+@pytest.mark.parametrize("setup", ["bf16_weights", "fp32_weights_autocast"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+def test_fla_linear_attention_equals_each_sample_alone_within_2x(model_type, setup):
+    """Qwen3.5 on the real flash-linear-attention kernels: a packed row (VisionCollator mode='flat') through the
+    patched model against the fp32 oracle (each sample alone, unpadded, unpatched; CPU tests prove the exact
+    reference path equal to it), at most 2x the error of each sample alone, unpatched, in the same precision."""
+    if _compat.fla_linear_ops() is None:
+        pytest.skip("flash-linear-attention not installed (pip install 'hf_packing[linear]')")
+    from hf_packing import VisionCollator
+    from tests.conftest import processed_samples
+    from tests.test_precision import assert_within_2x
+    from tests.test_qwen3_5 import each_sample_alone
+
+    autocast = setup == "fp32_weights_autocast"
+    processor = load_processor(model_type)
+    cuda = lambda d: {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}  # noqa: E731
+    samples = [cuda(s) for s in processed_samples(processor)]
+    model = build_tiny_model(model_type, processor_dir=FIXTURES / model_type).cuda()
+    hf_packing.apply_rmpad(model_type, attn_backend="reference", linear_backend="reference")  # exact, fp32
+    packed = cuda(VisionCollator(processor, mode="flat", model_config=model.config)(processed_samples(processor)))
+    ref_loss, ref_grads = _run(model, packed, autocast=False)
+    hf_packing.revert_rmpad()
+    if not autocast:
+        model = model.to(torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else nullcontext():
+        plain_loss, by_name = each_sample_alone(model, samples)
+    plain_grads = torch.cat([by_name[n].float().flatten() for n in sorted(by_name)])
+    hf_packing.apply_rmpad(model_type, linear_backend="fla")
+    assert_within_2x((ref_loss, ref_grads), (plain_loss, plain_grads), _run(model, packed, autocast),
+                     f"{model_type}/fla/{setup}, packed vs each alone (plain)")

@@ -180,25 +180,28 @@ def test_eval_logits_and_loss_match_unpatched():
     assert model(**batch).logits is None
 
 
-def test_generation_falls_back_to_original_forward():
-    model, processor = model_and_processor("qwen2_5_vl", "left")
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_5"])
+def test_generation_falls_back_to_original_forward(model_type):
+    """Cached generation runs the original forward (for Qwen3.5 also the original linear-attention kernels)."""
+    model, processor = model_and_processor(model_type, "left")
     batch = processed_batch(processor, conversations(with_video=False)[:2])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     model.eval()
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id)
     ref = model.generate(**inputs, **kwargs)
-    hf_packing.apply_rmpad("qwen2_5_vl")
+    hf_packing.apply_rmpad(model_type)
     assert torch.equal(model.generate(**inputs, **kwargs), ref)
 
 
-def test_gradient_checkpointing_equivalent():
-    model, processor = model_and_processor("qwen3_vl")
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_5"])
+def test_gradient_checkpointing_equivalent(model_type):
+    model, processor = model_and_processor(model_type)
     batch = processed_batch(processor, conversations(with_video=False))
     ref = loss_and_grads(model, batch)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    hf_packing.apply_rmpad("qwen3_vl")
-    assert_equivalent(ref, loss_and_grads(model, batch), "grad-ckpt")
+    hf_packing.apply_rmpad(model_type)
+    assert_equivalent(ref, loss_and_grads(model, batch), f"{model_type}/grad-ckpt")
 
 
 def test_peft_lora_equivalent():

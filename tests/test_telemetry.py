@@ -97,6 +97,17 @@ def test_moe_counts_only_active_experts():
     assert ModelFlops.from_model(moe).n_text == dense + experts * 2 / 4  # top-2 of 4 experts
 
 
+def test_linear_attention_layers_count_linear_in_tokens():
+    """Qwen3.5: the Gated DeltaNet layer costs 18·S per token (S = its state size), not 6·d·len² like softmax."""
+    counts = ModelFlops.from_model(build_tiny_model("qwen3_5"))
+    assert (counts.n_layers, counts.n_linear_layers, counts.linear_state) == (1, 1, 4 * 16 * 16)
+    no_params = ModelFlops(0, 0, counts.n_layers, counts.attn_dim, True, counts.n_linear_layers, counts.linear_state)
+    one_doc, two_docs = (no_params.flops(real_tokens=t, sum_sq_lens=sq, vision_patches=0)
+                         for t, sq in ((1000, 1000**2), (1000, 2 * 500**2)))
+    assert one_doc == pytest.approx(6 * 1 * 256 * 1000**2 + 18 * 1 * 1024 * 1000)
+    assert one_doc - two_docs == pytest.approx(6 * 256 * (1000**2 - 2 * 500**2))  # only softmax depends on len²
+
+
 def test_peak_from_device_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name, peak in [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),

@@ -30,12 +30,16 @@ PROCESSOR_CLASS = {
     "qwen2_5_vl": "Qwen2_5_VLProcessor",
     "qwen3_vl": "Qwen3VLProcessor",
     "qwen3_vl_moe": "Qwen3VLProcessor",
+    "qwen3_5": "Qwen3VLProcessor",
+    "qwen3_5_moe": "Qwen3VLProcessor",
 }
 MODEL_CLASS = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 IMAGE_PAD, VIDEO_PAD = TOKEN_IDS["<|image_pad|>"], TOKEN_IDS["<|video_pad|>"]
 
@@ -89,7 +93,7 @@ def _assert_image_tokens(batch, merge: int = 2) -> None:
 @per_family
 def test_fixture_processor_class(model_type: str, processor) -> None:
     assert type(processor).__name__ == PROCESSOR_CLASS[model_type]
-    assert type(processor.tokenizer).__name__ == "Qwen2Tokenizer"
+    assert type(processor.tokenizer).__name__ == ("Qwen3_5Tokenizer" if model_type.startswith("qwen3_5") else "Qwen2Tokenizer")
     assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"
     assert processor.image_processor.patch_size == (16 if model_type.startswith("qwen3") else 14)
     assert sum(f.stat().st_size for f in (FIXTURES / model_type).iterdir()) < 1_000_000
@@ -209,7 +213,8 @@ def test_model_is_tiny_fp32_and_seeded(model_type: str, model) -> None:
     assert sum(p.numel() for p in model.parameters()) < 1_000_000
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    assert sum(text.rope_parameters["mrope_section"]) == head_dim // 2
+    rotary_dim = int(head_dim * text.rope_parameters.get("partial_rotary_factor", 1.0))  # Qwen3.5: 0.25
+    assert sum(text.rope_parameters["mrope_section"]) == rotary_dim // 2
     state = torch.get_rng_state()
     again = build_tiny_model(model_type, seed=0)
     assert torch.equal(state, torch.get_rng_state())  # global RNG untouched

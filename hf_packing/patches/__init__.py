@@ -3,7 +3,8 @@
 Per family the patch replaces ``XForConditionalGeneration.forward`` (unpad once, per-sequence loss), sets
 ``accepts_loss_kwargs = True`` (so the Trainer passes ``num_items_in_batch`` and averages tokens across
 gradient-accumulation steps and ranks), and answers "flash" to the vision tower's backend check so its
-``cu_seqlens`` reach the varlen kernels. Once for all families it wraps transformers' attention registry
+``cu_seqlens`` reach the varlen kernels. Hybrid families (Qwen3.5) also get their linear-attention kernels
+replaced by boundary-aware ones (see `_linear`). Once for all families it wraps transformers' attention registry
 (see `_attention`). Everything else, decoder layers, norms, MLPs, DeepStack, stays transformers' own code.
 """
 
@@ -12,9 +13,11 @@ from __future__ import annotations
 from typing import Iterable
 
 from .. import _compat
+from ..linear_attention import LINEAR_BACKENDS
 from ..varlen import BACKENDS
 from ._attention import WRAPPED_IMPLEMENTATIONS, make_dispatcher, make_vision_flash_check
 from ._forward import RmpadOptions, make_rmpad_forward
+from ._linear import linear_patches
 from ._patcher import Patch, PatchSet, RegistryPatch
 from ._spec import FAMILIES, FamilySpec
 
@@ -38,7 +41,12 @@ def _normalise(model_type: str | Iterable[str] | None) -> list[str]:
     return names
 
 
-def _check_backend(attn_backend: str) -> None:
+def _check_backend(attn_backend: str, linear_backend: str) -> None:
+    if linear_backend not in ("auto",) + LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear_backend {linear_backend!r}; choose one of {('auto',) + LINEAR_BACKENDS}")
+    if linear_backend == "fla" and _compat.fla_linear_ops() is None:
+        raise RuntimeError("linear_backend='fla' needs flash-linear-attention (pip install 'hf_packing[linear]'); "
+                           "or use 'auto'")
     if attn_backend not in ("auto",) + BACKENDS:
         raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {('auto',) + BACKENDS}")
     if attn_backend == "flash_attn" and _compat.flash_attn_varlen_module() is None:
@@ -63,10 +71,12 @@ def _registry_patches(options: RmpadOptions, families: list[FamilySpec]) -> list
 def _family_patches(spec: FamilySpec, options: RmpadOptions) -> list[Patch]:
     module = spec.load()
     model_cls = getattr(module, spec.model_class)
+    linear = linear_patches(module, options.linear_backend) if spec.linear_attention else []
     return [
         Patch(model_cls, "forward", make_rmpad_forward(model_cls.__dict__["forward"], spec, options)),
         Patch(model_cls, "accepts_loss_kwargs", True),
         Patch(module, "is_flash_attention_requested", make_vision_flash_check(module.is_flash_attention_requested)),
+        *linear,
     ]
 
 
@@ -88,6 +98,7 @@ def apply_rmpad(
     dummy_vision: bool = False,
     loss_chunk_size: int | None = None,
     use_liger: bool | None = None,
+    linear_backend: str = "auto",
 ) -> None:
     """Make Qwen-VL training padding-free. Call before (or after) loading the model; it patches classes.
 
@@ -98,6 +109,8 @@ def apply_rmpad(
             loss weight, so FSDP / ZeRO-3 ranks issue the same collectives (a text-only rank would hang).
         loss_chunk_size (`int`, *optional*): rows per chunk of the linear + cross-entropy.
         use_liger (`bool`, *optional*): force Liger-Kernel's fused linear cross-entropy on or off.
+        linear_backend (`str`): Qwen3.5's linear-attention layers: ``"auto"`` (fla → reference, by device and
+            dtype), ``"fla"`` (flash-linear-attention) or ``"reference"`` (exact, per sequence).
 
     The options are bound into the patched functions: applying again with the same options changes nothing,
     with other options it re-patches every applied family with them. Raises at apply time, never at import, for
@@ -105,8 +118,8 @@ def apply_rmpad(
     """
     _compat.check_transformers_version()
     names = _normalise(model_type)
-    _check_backend(attn_backend)
-    options = RmpadOptions(attn_backend, dummy_vision, loss_chunk_size, use_liger)
+    _check_backend(attn_backend, linear_backend)
+    options = RmpadOptions(attn_backend, dummy_vision, loss_chunk_size, use_liger, linear_backend)
     applied = [n for n in _PATCHES.active() if n in FAMILIES]
     families = applied + [n for n in names if n not in applied]
     if families != applied or _PATCHES.options(_REGISTRY_GROUP) != options:

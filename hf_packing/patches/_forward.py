@@ -47,6 +47,7 @@ class RmpadOptions:
     dummy_vision: bool = False
     loss_chunk_size: int | None = None
     use_liger: bool | None = None
+    linear_backend: str = "auto"
 
 
 def _output_class(original: Callable, spec: FamilySpec) -> type:

@@ -17,6 +17,8 @@ class FamilySpec:
         model_class / text_attention / vision_attention: class names inside ``module``.
         rope_kwargs: extra ``get_rope_index`` / model-forward arguments the family takes.
         moe: whether the text model routes tokens to experts (adds the load-balancing loss).
+        linear_attention: whether text layers mix softmax attention with Gated DeltaNet linear attention
+            (Qwen3.5), whose conv and recurrent kernels get the boundaries too (see `_linear`).
     """
 
     model_type: str
@@ -26,6 +28,7 @@ class FamilySpec:
     vision_attention: str
     rope_kwargs: tuple[str, ...] = ()
     moe: bool = False
+    linear_attention: bool = False
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -55,5 +58,8 @@ FAMILIES: dict[str, FamilySpec] = {
               rope_kwargs=("second_per_grid_ts",)),
         _spec("qwen3_vl", "Qwen3VL", "Qwen3VLTextAttention", "Qwen3VLVisionAttention"),
         _spec("qwen3_vl_moe", "Qwen3VLMoe", "Qwen3VLMoeTextAttention", "Qwen3VLMoeVisionAttention", moe=True),
+        _spec("qwen3_5", "Qwen3_5", "Qwen3_5Attention", "Qwen3_5VisionAttention", linear_attention=True),
+        _spec("qwen3_5_moe", "Qwen3_5Moe", "Qwen3_5MoeAttention", "Qwen3_5MoeVisionAttention", moe=True,
+              linear_attention=True),
     )
 }

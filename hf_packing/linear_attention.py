@@ -1,0 +1,152 @@
+"""Gated DeltaNet linear attention over packed sequences: state and conv window restart at every boundary.
+
+Qwen3.5's linear-attention layers (transformers' ``Qwen3_5GatedDeltaNet``) mix tokens twice, and both carry
+information along the flat row unless they are told where each sequence starts::
+
+    flat row         a a a | b b b b b | c                   cu_seqlens [0, 3, 8, 9]
+    causal conv1d    each output reads the last 4 inputs of its own sequence (zeros before b's first token)
+    gated delta rule the recurrent state S is 0 at the start of a, of b and of c; S never carries a's keys into b
+
+Without boundaries b's first 3 outputs read a's last inputs through the conv window, and b's state starts from
+a's final state, so every token of b reads a: in the tests' negative control (softmax layers keeping their
+boundaries) the linear layer's output moves by 0.085 (conv window), 0.10 (state) and 0.12 (both), max relative,
+against 4e-8 with the boundaries. Two backends, one signature per op:
+
+- ``fla``: flash-linear-attention's Triton kernels with ``cu_seqlens`` (CUDA): ``chunk_gated_delta_rule`` on
+  ``(1, T, H, D)`` q/k/v and ``causal_conv1d`` on ``(1, T, C)``, int64 ``cu_seqlens`` (FLA's ``LongTensor``);
+- ``reference``: transformers' own torch fallbacks run on each sequence alone, exact by construction (the same
+  function on the same tokens as an unpacked sample), at one call per sequence.
+
+``auto`` picks ``fla`` for CUDA tensors in half precision (or under autocast) when the package imports, else
+``reference``; forcing ``fla`` where it cannot run raises.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from . import _compat
+from .varlen import KERNEL_DTYPES, PackedSequences
+
+LINEAR_BACKENDS = ("fla", "reference")
+
+
+def linear_backend_available(name: str, device: torch.device) -> bool:
+    """Whether linear-attention backend ``name`` can run on tensors living on ``device``."""
+    if name == "reference":
+        return True
+    if name == "fla":
+        return device.type == "cuda" and _compat.fla_linear_ops() is not None
+    raise ValueError(f"unknown linear_backend {name!r}; choose one of {('auto',) + LINEAR_BACKENDS}")
+
+
+def resolve_linear_backend(name: str, x: torch.Tensor) -> str:
+    """``auto`` → ``fla`` for half-precision (or autocast) CUDA inputs when available, else ``reference``.
+
+    fp32 inputs with autocast off take the exact reference under ``auto``, as the softmax layers do; a forced
+    ``fla`` runs them in fp32 (FLA accepts fp32, with TF32 matmuls).
+    """
+    if name == "auto":
+        half = x.dtype in KERNEL_DTYPES or torch.is_autocast_enabled(x.device.type)
+        return "fla" if half and linear_backend_available("fla", x.device) else "reference"
+    if not linear_backend_available(name, x.device):
+        raise RuntimeError(
+            f"linear_backend={name!r} is not available for tensors on {x.device} (needs a CUDA device and "
+            "pip install 'hf_packing[linear]'); use linear_backend='auto' or 'reference'"
+        )
+    return name
+
+
+def _seqlens(seqs: PackedSequences) -> list[int]:
+    if not seqs.seqlens:
+        seqs.seqlens = (seqs.cu_seqlens[1:] - seqs.cu_seqlens[:-1]).tolist()
+    return seqs.seqlens
+
+
+def _cu_seqlens_int64(seqs: PackedSequences, device: torch.device) -> torch.Tensor:
+    """int64 ``cu_seqlens`` on ``device``, made once per forward: FLA caches its chunk indices by tensor identity,
+    so every linear layer passing the same tensor costs one host sync in total, not one per layer."""
+    cached = getattr(seqs, "_cu_seqlens_int64", None)
+    if cached is None or cached.device != device:
+        cached = seqs.cu_seqlens.to(device=device, dtype=torch.int64).contiguous()
+        seqs._cu_seqlens_int64 = cached
+    return cached
+
+
+# ---------------------------------------------------------------------------------------------- causal conv1d
+
+
+def reference_causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSequences, *,
+                            torch_fn: Callable) -> torch.Tensor:
+    """``torch_fn`` (transformers' ``causal_conv1d_fn`` fallback) on each sequence alone, concatenated.
+
+    Args:
+        x (`torch.Tensor` of shape `(1, C, T)`), weight (`(C, W)`), bias (`(C,)`, *optional*), activation (`str`).
+        seqs (`PackedSequences`): the boundaries of the ``T`` tokens.
+        torch_fn: ``fn(x, weight, bias, activation=...) -> (1, C, n)`` for one sequence.
+    """
+    pieces = x.split(_seqlens(seqs), dim=-1)
+    return torch.cat([torch_fn(piece, weight, bias, activation=activation) for piece in pieces], dim=-1)
+
+
+def fla_causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSequences, *,
+                      torch_fn: Callable) -> torch.Tensor:
+    """FLA's varlen ``causal_conv1d`` on ``(1, T, C)`` (x arrives as transformers' ``(1, C, T)`` transpose view,
+    so this is no copy); same arguments and result as `reference_causal_conv1d`."""
+    ops = _compat.fla_linear_ops()
+    y, _ = ops.causal_conv1d(x.transpose(1, 2).contiguous(), weight, bias, activation=activation,
+                             cu_seqlens=_cu_seqlens_int64(seqs, x.device))
+    return y.transpose(1, 2)
+
+
+def causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSequences, *, backend: str = "auto",
+                  torch_fn: Callable) -> torch.Tensor:
+    """Depthwise causal conv1d over a flat row that never reads across a boundary (shapes as in the reference)."""
+    fn = fla_causal_conv1d if resolve_linear_backend(backend, x) == "fla" else reference_causal_conv1d
+    return fn(x, weight, bias, activation, seqs, torch_fn=torch_fn)
+
+
+# -------------------------------------------------------------------------------------------- gated delta rule
+
+
+def reference_gated_delta_rule(q, k, v, g, beta, seqs: PackedSequences, *, use_qk_l2norm: bool,
+                               torch_fn: Callable) -> torch.Tensor:
+    """``torch_fn`` (transformers' ``torch_chunk_gated_delta_rule``) on each sequence alone, from a zero state.
+
+    Args:
+        q, k (`torch.Tensor` of shape `(1, T, H_k, D_k)`), v (`(1, T, H_v, D_v)`) with H_v % H_k == 0,
+        g (`(1, T, H_v)`, log-space decay), beta (`(1, T, H_v)`).
+        seqs (`PackedSequences`): the boundaries.
+
+    Returns:
+        `torch.Tensor` of shape `(1, T, H_v, D_v)` in q's dtype.
+    """
+    outs = []
+    for qs, ks, vs, gs, bs in zip(*(t.split(_seqlens(seqs), dim=1) for t in (q, k, v, g, beta))):
+        out, _ = torch_fn(qs, ks, vs, g=gs, beta=bs, initial_state=None, output_final_state=False,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm)
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
+def fla_gated_delta_rule(q, k, v, g, beta, seqs: PackedSequences, *, use_qk_l2norm: bool,
+                         torch_fn: Callable) -> torch.Tensor:
+    """FLA's ``chunk_gated_delta_rule`` with ``cu_seqlens``: q/k/v in one dtype (the autocast dtype under
+    autocast), contiguous; g and beta as given (g is fp32 in transformers' layer)."""
+    ops = _compat.fla_linear_ops()
+    dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype
+    q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
+    out, _ = ops.chunk_gated_delta_rule(
+        q, k, v, g.contiguous(), beta.contiguous(), scale=q.shape[-1] ** -0.5, initial_state=None,
+        output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=_cu_seqlens_int64(seqs, q.device),
+    )
+    return out
+
+
+def gated_delta_rule(q, k, v, g, beta, seqs: PackedSequences, *, use_qk_l2norm: bool, backend: str = "auto",
+                     torch_fn: Callable) -> torch.Tensor:
+    """The gated delta rule over a flat row, its state restarting from 0 at every boundary (see the reference)."""
+    fn = fla_gated_delta_rule if resolve_linear_backend(backend, q) == "fla" else reference_gated_delta_rule
+    return fn(q, k, v, g, beta, seqs, use_qk_l2norm=use_qk_l2norm, torch_fn=torch_fn)

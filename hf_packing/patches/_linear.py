@@ -1,0 +1,76 @@
+"""Patch records for hybrid families (Qwen3.5): the linear-attention kernels learn the sequence boundaries.
+
+transformers' ``Qwen3_5GatedDeltaNet.forward`` calls two module-level functions, and hands both the keyword
+arguments it got from the decoder layer, which carry the patched forward's `PackedSequences`::
+
+    causal_conv1d_fn(mixed_qkv, weight, bias, activation=..., hf_packing_seqs=seqs, ...)
+    torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, ..., hf_packing_seqs=seqs, ...)
+
+The patch replaces those two module attributes with wrappers: a call carrying ``hf_packing_seqs`` runs the
+varlen op of `hf_packing.linear_attention` (state and conv window restart at every boundary); every other call
+(the unpatched forward, generation, other batches) goes to the original function untouched. transformers'
+own fallbacks, unwrapped from their hub-kernel decorator, are the per-sequence reference.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import ModuleType
+from typing import Callable
+
+from .. import linear_attention
+from ._attention import PACKED_KWARG
+from ._patcher import Patch
+
+#: module-level names the linear-attention layer calls (transformers 5.17-5.23).
+CONV_FN, DELTA_RULE_FN = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"
+
+
+def make_conv_route(original: Callable, backend: str) -> Callable:
+    """Wrap ``causal_conv1d_fn``: packed calls never convolve across a boundary."""
+    torch_fn = inspect.unwrap(original)
+
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        seqs = kwargs.pop(PACKED_KWARG, None)
+        if seqs is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        return linear_attention.causal_conv1d(hidden_states, weight, bias, activation, seqs, backend=backend,
+                                              torch_fn=torch_fn)
+
+    causal_conv1d_fn.__wrapped__ = original
+    return causal_conv1d_fn
+
+
+def make_delta_rule_route(original: Callable, backend: str) -> Callable:
+    """Wrap ``torch_chunk_gated_delta_rule``: packed calls restart the recurrent state at every boundary."""
+    torch_fn = inspect.unwrap(original)
+
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+        seqs = kwargs.pop(PACKED_KWARG, None)
+        if seqs is None:
+            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                            output_final_state=output_final_state,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+        if initial_state is not None or output_final_state:
+            raise ValueError("hf_packing runs packed linear attention without a cache (use_cache=False)")
+        out = linear_attention.gated_delta_rule(query, key, value, g, beta, seqs, use_qk_l2norm=use_qk_l2norm_in_kernel,
+                                                backend=backend, torch_fn=torch_fn)
+        return out, None
+
+    torch_chunk_gated_delta_rule.__wrapped__ = original
+    return torch_chunk_gated_delta_rule
+
+
+def linear_patches(module: ModuleType, backend: str) -> list[Patch]:
+    """The two kernel patches for one hybrid modeling module; raises if this transformers lacks the names."""
+    missing = [name for name in (CONV_FN, DELTA_RULE_FN) if not callable(getattr(module, name, None))]
+    if missing:
+        raise RuntimeError(
+            f"{module.__name__} has no {missing}: this transformers' linear-attention layer is not the one hf_packing "
+            "patches (5.17-5.23); install a supported transformers"
+        )
+    return [
+        Patch(module, CONV_FN, make_conv_route(getattr(module, CONV_FN), backend)),
+        Patch(module, DELTA_RULE_FN, make_delta_rule_route(getattr(module, DELTA_RULE_FN), backend)),
+    ]
