@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
+from .data import VISION_KEYS
 from .loss import IGNORE_INDEX
 
 logger = logging.getLogger("hf_packing")
 
-_CONCAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 def _as_long(x: Any) -> torch.Tensor:
@@ -227,7 +227,7 @@ class VisionCollator:
     @staticmethod
     def _vision(samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         out = {}
-        for key in _CONCAT_KEYS:
+        for key in VISION_KEYS:
             parts = [torch.as_tensor(s[key]) for s in samples if s.get(key) is not None]
             if parts:
                 out[key] = torch.cat([p.reshape(-1) if key == "second_per_grid_ts" else p for p in parts])

@@ -67,6 +67,7 @@ def run_demo(cfg: DemoConfig) -> dict:
 
     from . import VisionCollator, apply_rmpad, pack_dataset, prepare_trainer
     from .plots import plot_loss, plot_packs
+    from .stream import PADDED_BATCH
 
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -100,7 +101,7 @@ def run_demo(cfg: DemoConfig) -> dict:
 
     history = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
     real_tokens = sum(map(sum, packs))
-    padded_slots = sum(len(b) * max(b) for b in _batches(in_order, 8))
+    padded_slots = sum(len(b) * max(b) for b in _batches(in_order, PADDED_BATCH))
     summary = {
         "samples": sum(map(len, packs)),
         "packs": len(packs),

@@ -11,7 +11,7 @@ and adds ``packing/*`` keys to the ``logs`` dict:
                       apply_rmpad those slots are removed before any compute, so pack_fill is the FLOP metric)
     pack_fill         real tokens / (packs × max_length); packs = micro-batches × per_device_train_batch_size
     images_per_step, videos_per_step, vision_patches_per_step   per optimizer step
-    dropped_samples   cumulative samples not trained on (stats() dropped + skipped, all reasons), rank 0's
+    dropped_samples   cumulative samples not trained on (stats() skipped, all reasons, + leftover_samples), rank 0's
     tflops_per_s_per_device, mfu       when the model's parameter counts are known (and a peak for mfu)
 
 FLOPs per optimizer step (forward + backward, the usual 6·N·T, attention counted per document)::
@@ -180,14 +180,15 @@ class PackingTelemetry(TrainerCallback):
                 self._add(2, grid.long().prod(-1).sum())
 
     def _dropped(self) -> float | None:
-        """Samples the dataset will not train on: ``stats()["dropped"]`` + ``["skipped"]`` (all reasons)."""
+        """Samples the dataset will not train on: ``stats()["skipped"]`` (all reasons) + ``["leftover_samples"]``
+        (samples of the last, incomplete group of packs that rank equality drops)."""
         if self.dataset is None or not hasattr(self.dataset, "stats"):
             return None
         try:
             stats = self.dataset.stats(log=False)
         except TypeError:
             stats = self.dataset.stats()
-        return _total(stats.get("dropped", 0)) + _total(stats.get("skipped", 0))
+        return _total(stats.get("skipped", 0)) + _total(stats.get("leftover_samples", 0))
 
     def counts(self, device: torch.device | str | None = None) -> dict[str, float]:
         """The counts since the last log, synced (and summed over ranks when all-reducing)."""

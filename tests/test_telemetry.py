@@ -127,7 +127,7 @@ class _Packs(torch.utils.data.Dataset):
         return self.packs[i]
 
     def stats(self, log=True):
-        return {"dropped": {"overlong": 3}, "skipped": 1}
+        return {"skipped": {"overlong": 3, "missing_file": 1}, "leftover_samples": 2}
 
 
 def test_trainer_logs_keys_before_reporters(tmp_path):
@@ -157,7 +157,7 @@ def test_trainer_logs_keys_before_reporters(tmp_path):
     assert first["packing/padding_ratio"] == pytest.approx(1 - 14 / 18) and second["packing/padding_ratio"] == 0.0
     assert (first["packing/images_per_step"], first["packing/vision_patches_per_step"]) == (1.0, 16.0)
     assert (second["packing/images_per_step"], second["packing/videos_per_step"]) == (0.0, 0.0)
-    assert first["packing/dropped_samples"] == 3 + 1  # stats(): dropped + skipped, every reason
+    assert first["packing/dropped_samples"] == 3 + 1 + 2  # stats(): skipped (every reason) + leftover samples
     for log in logs:
         assert log["packing/tokens_per_s"] > 0 and 0 < log["packing/mfu"] == log["packing/tflops_per_s_per_device"]
     assert telemetry._handle is None and not tiny._forward_pre_hooks
