@@ -85,7 +85,7 @@ IM_START, IM_END = 151644, 151645
 def model_config(*, layers: int, vision_layers: int, smoke: bool):
     """The 3B config (or, with ``smoke``, the tiny test config), with ``layers`` / ``vision_layers`` applied."""
     if smoke:
-        from hf_packing.tiny import tiny_config
+        from hf_packing.testing.tiny import tiny_config
 
         return tiny_config("qwen2_5_vl", text_config={"num_hidden_layers": layers},
                            vision_config={"depth": vision_layers, "fullatt_block_indexes": [vision_layers - 1]})

@@ -419,7 +419,7 @@ def collator_section(calls: int) -> tuple[list[list[str]], dict[str, float]]:
     from transformers import AutoProcessor
 
     from hf_packing.collator import VisionCollator
-    from hf_packing.tiny import TOKEN_IDS, tiny_config
+    from hf_packing.testing.tiny import TOKEN_IDS, tiny_config
 
     processor = AutoProcessor.from_pretrained(str(FIXTURE))
     config = tiny_config("qwen2_5_vl")

@@ -1,7 +1,7 @@
 """CPU training-step benchmark on a small random-init Qwen2.5-VL: padded vs flat vs rmpad.
 
 Model (random init, fp32, ~16M parameters; nothing downloaded): `Qwen2_5_VLForConditionalGeneration` from
-`hf_packing.tiny.tiny_config("qwen2_5_vl", ...)` with text 4 layers x 512 hidden, 8 heads (head_dim 64),
+`hf_packing.testing.tiny.tiny_config("qwen2_5_vl", ...)` with text 4 layers x 512 hidden, 8 heads (head_dim 64),
 2 kv heads, intermediate 1376, M-RoPE sections [8, 12, 12], vocabulary 512 (the tiny tokenizer's); vision
 tower depth 4, hidden 256, 4 heads, intermediate 684, window 112 px, full attention in block 3, output 512.
 
@@ -55,7 +55,7 @@ WORDS = ("the quick brown fox jumps over lazy dog while cat watches from window 
 
 
 def step_config():
-    from hf_packing.tiny import tiny_config
+    from hf_packing.testing.tiny import tiny_config
 
     return tiny_config(
         "qwen2_5_vl",

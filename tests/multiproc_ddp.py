@@ -25,7 +25,7 @@ def main(out: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     import hf_packing
-    from hf_packing.tiny import build_tiny_model
+    from hf_packing.testing.tiny import build_tiny_model
     from tests.conftest import FIXTURES, conversations, load_processor, processed_batch
 
     hf_packing.apply_rmpad("qwen2_5_vl")

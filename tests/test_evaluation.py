@@ -28,7 +28,7 @@ def tiny_model(tmp_path_factory) -> Path:
     """A tiny Qwen2.5-VL after 6 Adam steps on other rows: token accuracy about 0.6, neither 0 nor 1."""
     from transformers import AutoProcessor
 
-    from hf_packing.tiny import save_tiny_checkpoint
+    from hf_packing.testing.tiny import save_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
     path = save_tiny_checkpoint("qwen2_5_vl", root / "qwen2_5_vl")
@@ -230,7 +230,7 @@ def test_loss_only_evaluation_skips_the_logits_under_the_patch(tmp_path, tiny_mo
 def test_moe_eval_loss_is_the_cross_entropy_without_the_router_aux_loss(tmp_path, patched):
     """Qwen3-VL-MoE with output_router_logits: its loss adds router_aux_loss_coef · aux_loss; eval_loss does not.
     Negative control: the Trainer's own eval_loss includes it."""
-    from hf_packing.tiny import build_tiny_model
+    from hf_packing.testing.tiny import build_tiny_model
 
     processor = load_processor("qwen3_vl_moe")
     samples = processed_samples(processor, conversations(with_video=False))
@@ -250,7 +250,7 @@ def test_prepare_trainer_refuses_liger_kernel_on_a_patched_model(tmp_path):
     """Trainer.train() would replace the patched forward with Liger's; prepare_trainer says which setting to change."""
     from transformers import Trainer, TrainingArguments
 
-    from hf_packing.tiny import build_tiny_model
+    from hf_packing.testing.tiny import build_tiny_model
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, use_liger_kernel=True)
     prepare_trainer(Trainer(model=build_tiny_model("qwen2_vl"), args=args, train_dataset=[]))  # unpatched: fine

@@ -12,7 +12,7 @@ from PIL import Image
 
 from hf_packing.collator import RopeIndex
 from hf_packing.data import Preprocessor, SampleError, normalize_row
-from hf_packing.tiny import tiny_config
+from hf_packing.testing.tiny import tiny_config
 
 
 def turns(question: str, answer: str = "A dog.") -> list[dict]:

@@ -16,7 +16,7 @@ import torch
 
 import hf_packing
 from hf_packing import _compat
-from hf_packing.tiny import build_tiny_model
+from hf_packing.testing.tiny import build_tiny_model
 from tests.conftest import FIXTURES, MODEL_TYPES, conversations, load_processor, processed_batch
 
 pytestmark = [

@@ -10,7 +10,7 @@ import torch
 
 import hf_packing
 from hf_packing.patches import revert_rmpad
-from hf_packing.tiny import build_tiny_model
+from hf_packing.testing.tiny import build_tiny_model
 from tests.conftest import FIXTURES, MODEL_TYPES, conversations, load_processor, processed_batch
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4

@@ -207,7 +207,7 @@ def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch):
         from hf_packing.stream import pack_dataset  # noqa: F401
     except ImportError as error:
         pytest.skip(f"hf_packing.stream.pack_dataset is not importable yet ({error}); train.py needs it")
-    from hf_packing.tiny import save_tiny_checkpoint
+    from hf_packing.testing.tiny import save_tiny_checkpoint
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -232,7 +232,7 @@ def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch):
 def test_train_py_fails_loudly_when_no_row_is_usable(train, tmp_path, monkeypatch):
     """Video-file rows (not decoded yet) are all skipped: the run must stop with the reason, not save an untrained
     model and exit 0."""
-    from hf_packing.tiny import save_tiny_checkpoint
+    from hf_packing.testing.tiny import save_tiny_checkpoint
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

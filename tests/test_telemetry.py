@@ -8,7 +8,7 @@ from conftest import load_processor
 
 from hf_packing.collator import VisionCollator
 from hf_packing.telemetry import ModelFlops, PackingTelemetry, add_telemetry, default_peak_tflops
-from hf_packing.tiny import TOKEN_IDS, build_tiny_model
+from hf_packing.testing.tiny import TOKEN_IDS, build_tiny_model
 
 VS, VE, IMG = TOKEN_IDS["<|vision_start|>"], TOKEN_IDS["<|vision_end|>"], TOKEN_IDS["<|image_pad|>"]
 

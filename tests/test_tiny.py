@@ -1,4 +1,4 @@
-"""Tests for ``hf_packing.tiny``: local tiny Qwen-VL processors (committed fixtures) and random-weight models."""
+"""Tests for ``hf_packing.testing.tiny``: local tiny Qwen-VL processors (committed fixtures) and random-weight models."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from hf_packing.tiny import (
+from hf_packing.testing.tiny import (
     MODEL_TYPES,
     TOKEN_IDS,
     VOCAB_SIZE,
@@ -239,6 +239,6 @@ def test_save_tiny_checkpoint_roundtrip(model_type: str, tmp_path: Path) -> None
 
 
 def test_import_is_side_effect_free() -> None:
-    code = "import sys, hf_packing, hf_packing.tiny; print('transformers' in sys.modules, 'torch' in sys.modules)"
+    code = "import sys, hf_packing, hf_packing.testing.tiny; print('transformers' in sys.modules, 'torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]

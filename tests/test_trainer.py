@@ -7,7 +7,7 @@ import torch
 
 import hf_packing
 from hf_packing import VisionCollator
-from hf_packing.tiny import build_tiny_model
+from hf_packing.testing.tiny import build_tiny_model
 from tests.conftest import FIXTURES, conversations, load_processor, processed_samples
 
 

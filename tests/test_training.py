@@ -54,7 +54,7 @@ def write_parquet(path: Path, n: int, *, seed: int, start: int, images: str, bad
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from hf_packing.tiny import save_tiny_checkpoint
+    from hf_packing.testing.tiny import save_tiny_checkpoint
 
     return save_tiny_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("tiny") / "qwen2_5_vl")
 

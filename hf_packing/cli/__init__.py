@@ -7,8 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
-from .planner import STRATEGIES
-from .tiny import MODEL_TYPES
+from ..planner import STRATEGIES
+from ..testing.tiny import MODEL_TYPES
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -32,8 +32,8 @@ class DemoConfig:
 
 
 def _prepare(cfg: DemoConfig) -> tuple[str, str, str]:
-    from .synthetic import save_synthetic_dataset
-    from .tiny import save_tiny_checkpoint
+    from ..testing.synthetic import save_synthetic_dataset
+    from ..testing.tiny import save_tiny_checkpoint
 
     out = cfg.output_dir
     model_dir = cfg.model or str(out / f"tiny-{cfg.model_type}")
@@ -65,9 +65,9 @@ def run_demo(cfg: DemoConfig) -> dict:
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
-    from . import VisionCollator, apply_rmpad, pack_dataset, prepare_trainer
+    from .. import VisionCollator, apply_rmpad, pack_dataset, prepare_trainer
     from .plots import plot_loss, plot_packs
-    from .stream import PADDED_BATCH
+    from ..stream import PADDED_BATCH
 
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)

@@ -11,9 +11,9 @@ import logging
 import sys
 from collections import Counter
 
-from .data import Preprocessor, SampleError, SkipCounter
-from .formats import source_formats
-from .planner import pack_stats, plan_packs
+from ..data import Preprocessor, SampleError, SkipCounter
+from ..formats import source_formats
+from ..planner import pack_stats, plan_packs
 
 logger = logging.getLogger("hf_packing")
 
