@@ -12,7 +12,11 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: install test demo bench clean
 install: $(VENV)/.installed
 
+LINTED := hf_packing tests recipes benchmarks
+
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 	$(PY) -m pytest -q
 
 demo: $(VENV)/.installed

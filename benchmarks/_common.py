@@ -16,8 +16,8 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
@@ -73,10 +73,7 @@ def load_average() -> str:
 
 
 def machine(cores_used: str) -> str:
-    return (
-        f"{cpu_model()}, {os.cpu_count()} logical cores on the machine, {cores_used}, "
-        f"{ram_gib():.1f} GiB RAM"
-    )
+    return f"{cpu_model()}, {os.cpu_count()} logical cores on the machine, {cores_used}, {ram_gib():.1f} GiB RAM"
 
 
 def idlest_core(interval: float = 0.5) -> int:

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import sys
 import time
 from pathlib import Path
@@ -62,23 +61,48 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-PLACEHOLDER_LINE = ("2026-11-21: no GPU was at hand in this session; run `python benchmarks/bench_gpu.py` on one")
+PLACEHOLDER_LINE = "2026-11-21: no GPU was at hand in this session; run `python benchmarks/bench_gpu.py` on one"
 
 #: Qwen2.5-VL-3B-Instruct dimensions (config.json of the released checkpoint), written out so nothing is fetched.
 TEXT_3B = {
-    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
-    "num_attention_heads": 16, "num_key_value_heads": 2, "hidden_act": "silu", "max_position_embeddings": 128000,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_dropout": 0.0, "use_sliding_window": False,
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 128000,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "attention_dropout": 0.0,
+    "use_sliding_window": False,
     "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [16, 24, 24]},
-    "bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": 151643,
-}  # fmt: skip
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "pad_token_id": 151643,
+}
 VISION_3B = {
-    "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "in_channels": 3,
-    "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
-    "fullatt_block_indexes": [7, 15, 23, 31], "out_hidden_size": 2048, "tokens_per_second": 2, "hidden_act": "silu",
-}  # fmt: skip
-IDS_3B = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
-          "vision_end_token_id": 151653}
+    "depth": 32,
+    "hidden_size": 1280,
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "window_size": 112,
+    "fullatt_block_indexes": [7, 15, 23, 31],
+    "out_hidden_size": 2048,
+    "tokens_per_second": 2,
+    "hidden_act": "silu",
+}
+IDS_3B = {
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+}
 IM_START, IM_END = 151644, 151645
 
 
@@ -87,16 +111,29 @@ def model_config(*, layers: int, vision_layers: int, smoke: bool):
     if smoke:
         from hf_packing.testing.tiny import tiny_config
 
-        return tiny_config("qwen2_5_vl", text_config={"num_hidden_layers": layers},
-                           vision_config={"depth": vision_layers, "fullatt_block_indexes": [vision_layers - 1]})
+        return tiny_config(
+            "qwen2_5_vl",
+            text_config={"num_hidden_layers": layers},
+            vision_config={"depth": vision_layers, "fullatt_block_indexes": [vision_layers - 1]},
+        )
     from transformers import Qwen2_5_VLConfig
 
-    vision = dict(VISION_3B, depth=vision_layers,
-                  fullatt_block_indexes=[i for i in VISION_3B["fullatt_block_indexes"] if i < vision_layers]
-                  or [vision_layers - 1])
+    vision = dict(
+        VISION_3B,
+        depth=vision_layers,
+        fullatt_block_indexes=[i for i in VISION_3B["fullatt_block_indexes"] if i < vision_layers]
+        or [vision_layers - 1],
+    )
     text = dict(TEXT_3B, num_hidden_layers=layers)
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
-                            bos_token_id=151643, eos_token_id=151645, pad_token_id=151643, **IDS_3B)
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        pad_token_id=151643,
+        **IDS_3B,
+    )
 
 
 def build_model(config, device, dtype, seed: int = 0):
@@ -135,11 +172,17 @@ def make_packs(config, max_length: int, count: int, seed: int = 0) -> list[list[
     from hf_packing.planner import plan_packs
 
     merge = config.vision_config.spatial_merge_size
-    patch_dim = config.vision_config.in_channels * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+    patch_dim = (
+        config.vision_config.in_channels * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+    )
     vocab = min(config.get_text_config().vocab_size, config.vision_start_token_id)
-    ids = {"im_start": IM_START if vocab > IM_END else 1, "im_end": IM_END if vocab > IM_END else 2,
-           "vision_start": config.vision_start_token_id, "vision_end": config.vision_end_token_id,
-           "image_pad": config.image_token_id}
+    ids = {
+        "im_start": IM_START if vocab > IM_END else 1,
+        "im_end": IM_END if vocab > IM_END else 2,
+        "vision_start": config.vision_start_token_id,
+        "vision_end": config.vision_end_token_id,
+        "image_pad": config.image_token_id,
+    }
     mix = llava_mix(max(4000, count * max_length // 300), seed=seed)
     packs = plan_packs(mix["lengths"], max_length=max_length, strategy="bfd", buffer_size=1000)
     packs = sorted(packs, key=lambda p: -int(mix["lengths"][p].sum()))[:count]  # the fullest ones, as in training
@@ -149,7 +192,9 @@ def make_packs(config, max_length: int, count: int, seed: int = 0) -> list[list[
         samples = []
         for i in pack:
             grids = []
-            for k, (gh, gw) in enumerate(((mix["grid_h"][i], mix["grid_w"][i]), (mix["grid_h2"][i], mix["grid_w2"][i]))):
+            for k, (gh, gw) in enumerate(
+                ((mix["grid_h"][i], mix["grid_w"][i]), (mix["grid_h2"][i], mix["grid_w2"][i]))
+            ):
                 if mix["images"][i] > k:
                     grids.append((int(gh), int(gw)))
             sample = _image_sample(rng, int(mix["text"][i]), grids, patch_dim, ids, vocab=vocab)
@@ -245,8 +290,11 @@ def available_arms(device_type: str) -> list[tuple[str, str, str, str | None]]:
     """(arm name, batch kind, attn_implementation, rmpad backend)."""
     flash = importlib.util.find_spec("flash_attn") is not None
     arms = [("padded+sdpa", "padded", "sdpa", None)]
-    arms.append(("flat+fa2", "flat", "flash_attention_2", None) if flash and device_type == "cuda"
-                else ("flat+sdpa", "flat", "sdpa", None))
+    arms.append(
+        ("flat+fa2", "flat", "flash_attention_2", None)
+        if flash and device_type == "cuda"
+        else ("flat+sdpa", "flat", "sdpa", None)
+    )
     if device_type == "cuda":
         from hf_packing import _compat
 
@@ -259,8 +307,9 @@ def available_arms(device_type: str) -> list[tuple[str, str, str, str | None]]:
     return arms
 
 
-def run_setting(model, optimizer, config, params, batches, arms, *, warmup: int, steps: int, vision_trainable: bool,
-                device) -> dict[str, dict[str, Any]]:
+def run_setting(
+    model, optimizer, config, params, batches, arms, *, warmup: int, steps: int, vision_trainable: bool, device
+) -> dict[str, dict[str, Any]]:
     import torch
 
     from hf_packing.patches import apply_rmpad, revert_rmpad
@@ -305,9 +354,14 @@ def run_setting(model, optimizer, config, params, batches, arms, *, warmup: int,
                 if cuda:
                     res["peak"].append(torch.cuda.max_memory_allocated())
             del loss
-        print(f"[gpu] step {i}: " + ", ".join(
-            f"{n} {results[n]['times'][-1] * 1e3:.0f} ms" if results[n]["times"] and i >= warmup else n
-            for n, *_ in arms), flush=True)
+        print(
+            f"[gpu] step {i}: "
+            + ", ".join(
+                f"{n} {results[n]['times'][-1] * 1e3:.0f} ms" if results[n]["times"] and i >= warmup else n
+                for n, *_ in arms
+            ),
+            flush=True,
+        )
     model.set_attn_implementation("sdpa")
     measured = batches["padded"][warmup:]
     for name, *_ in arms:
@@ -326,8 +380,9 @@ def run_setting(model, optimizer, config, params, batches, arms, *, warmup: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--layers", type=int, default=36, help="text decoder layers (3B: 36)")
     parser.add_argument("--vision-layers", type=int, default=32, help="vision blocks (3B: 32)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384], help="pack sizes in tokens")
@@ -338,8 +393,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s for MFU")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; checks the script, writes nothing")
     parser.add_argument("--no-write", action="store_true", help="print instead of writing RESULTS.md")
-    parser.add_argument("--write-placeholder", action="store_true",
-                        help="only write the 'no GPU' placeholder line into RESULTS.md and exit")
+    parser.add_argument(
+        "--write-placeholder",
+        action="store_true",
+        help="only write the 'no GPU' placeholder line into RESULTS.md and exit",
+    )
     args = parser.parse_args(argv)
 
     if args.write_placeholder:
@@ -376,10 +434,22 @@ def main(argv: list[str] | None = None) -> None:
         cpu_batches = collate(config, packs)
         batches = {k: [to_device(b, device, dtype) for b in v] for k, v in cpu_batches.items()}
         fill = C.median(int(b["attention_mask"].sum()) / length for b in cpu_batches["padded"])
-        real_frac = C.median(int(b["attention_mask"].sum()) / b["attention_mask"].numel() for b in cpu_batches["padded"])
+        real_frac = C.median(
+            int(b["attention_mask"].sum()) / b["attention_mask"].numel() for b in cpu_batches["padded"]
+        )
         for vision in visions:
-            res = run_setting(model, optimizer, config, params, batches, arms, warmup=args.warmup, steps=args.steps,
-                              vision_trainable=vision == "trainable", device=device)
+            res = run_setting(
+                model,
+                optimizer,
+                config,
+                params,
+                batches,
+                arms,
+                warmup=args.warmup,
+                steps=args.steps,
+                vision_trainable=vision == "trainable",
+                device=device,
+            )
             ref = res["padded+sdpa"]["loss"]
             for name, *_ in arms:
                 r = res[name]
@@ -388,25 +458,62 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 mfu = r["tflops"] / args.peak_tflops
                 rel = abs(r["loss"] - ref) / abs(ref) if ref else float("nan")
-                rows.append([str(length), vision, name, f"{r['median_s'] * 1e3:,.0f}", f"{r['tok_s']:,.0f}",
-                             f"{r['samples_s']:.1f}", f"{mfu:.1%} ({r['tflops'] / ceiling:.0%})" if ceiling == ceiling
-                             else f"{r['tflops']:.3f} TFLOP/s", f"{r['peak_gib']:.1f}", f"{r['loss']:.5f}", f"{rel:.1e}"])
-            rows.append([str(length), vision, f"(pack fill {fill:.3f}; padded real-token fraction {real_frac:.3f})",
-                         "", "", "", "", "", "", ""])
+                rows.append(
+                    [
+                        str(length),
+                        vision,
+                        name,
+                        f"{r['median_s'] * 1e3:,.0f}",
+                        f"{r['tok_s']:,.0f}",
+                        f"{r['samples_s']:.1f}",
+                        f"{mfu:.1%} ({r['tflops'] / ceiling:.0%})"
+                        if ceiling == ceiling
+                        else f"{r['tflops']:.3f} TFLOP/s",
+                        f"{r['peak_gib']:.1f}",
+                        f"{r['loss']:.5f}",
+                        f"{rel:.1e}",
+                    ]
+                )
+            rows.append(
+                [
+                    str(length),
+                    vision,
+                    f"(pack fill {fill:.3f}; padded real-token fraction {real_frac:.3f})",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                ]
+            )
         del batches
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    table = C.md_table(["pack tokens", "vision", "arm", "median step ms", "real tokens/s", "samples/s",
-                        f"MFU vs {args.peak_tflops:.0f} (vs matmul ceiling)", "peak GiB", "first-step loss",
-                        "rel. diff vs padded"], rows)
+    table = C.md_table(
+        [
+            "pack tokens",
+            "vision",
+            "arm",
+            "median step ms",
+            "real tokens/s",
+            "samples/s",
+            f"MFU vs {args.peak_tflops:.0f} (vs matmul ceiling)",
+            "peak GiB",
+            "first-step loss",
+            "rel. diff vs padded",
+        ],
+        rows,
+    )
     body = f"""## GPU training step (`bench_gpu.py`)
 
 - Date: {C.today()}; took {time.time() - t_start:.0f} s
 - Versions: {C.versions(["flash-attn"])}
 - Machine: {gpu_name}; {C.cpu_model()}
 - Command: `{C.command_line()}`
-- Model: Qwen2.5-VL-3B-shaped, random init, {params['total'] / 1e6:,.0f}M parameters ({args.layers} text layers, {args.vision_layers} vision blocks), {str(dtype).replace('torch.', '')}, activation checkpointing {'off' if args.no_grad_ckpt or args.smoke else 'on'}; AdamW lr=0 shared by all arms (full optimizer work, weights unchanged).
+- Model: Qwen2.5-VL-3B-shaped, random init, {params["total"] / 1e6:,.0f}M parameters ({args.layers} text layers, {args.vision_layers} vision blocks), {str(dtype).replace("torch.", "")}, activation checkpointing {"off" if args.no_grad_ckpt or args.smoke else "on"}; AdamW lr=0 shared by all arms (full optimizer work, weights unchanged).
 - Method: arms interleaved step by step on the same packs; {args.warmup} warm-up + median of {args.steps} measured steps; `torch.cuda.synchronize()` around each step; peak memory = `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()` before each step (includes weights, grads and AdamW state).
 - bf16 8192³ matmul ceiling measured in this run: **{ceiling:.0f} TFLOP/s**. MFU formula in the script docstring (6·N·T + 6·L·d·Σlen² per document for text; vision likewise, 2·N instead of 6·N when frozen).
 

@@ -43,8 +43,9 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -62,8 +63,9 @@ TARGET_E2E_PER_CORE = 50.0
 # ------------------------------------------------------------------------------------------------ length mixes
 
 
-def smart_resize_tokens(h: np.ndarray, w: np.ndarray, *, factor: int = 28, min_pixels: int = 56 * 56,
-                        max_pixels: int = 12_845_056) -> tuple[np.ndarray, np.ndarray]:
+def smart_resize_tokens(
+    h: np.ndarray, w: np.ndarray, *, factor: int = 28, min_pixels: int = 56 * 56, max_pixels: int = 12_845_056
+) -> tuple[np.ndarray, np.ndarray]:
     """Qwen2.5-VL's resize rule, vectorised: merged-token grid ``(h_tokens, w_tokens)`` of each image."""
     h = np.asarray(h, dtype=np.float64)
     w = np.asarray(w, dtype=np.float64)
@@ -115,8 +117,7 @@ def llava_mix(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     text = np.where(text_only, text_only_len, text)
     text = np.maximum(np.round(text).astype(np.int64), 4)
     lengths = text + img + 2 * n_img
-    return {"lengths": lengths, "images": n_img, "text": text, "grid_h": h1, "grid_w": w1,
-            "grid_h2": h2, "grid_w2": w2}
+    return {"lengths": lengths, "images": n_img, "text": text, "grid_h": h1, "grid_w": w1, "grid_h2": h2, "grid_w2": w2}
 
 
 def docs_mix(n: int, seed: int = 1) -> dict[str, np.ndarray]:
@@ -196,8 +197,15 @@ def _trl_fill(packed, max_length: int) -> tuple[float, int]:
     return float(tokens.sum()) / (len(tokens) * max_length), len(tokens)
 
 
-def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[int], *, warmup: int, repeats: int,
-                    buffer: int, skip_trl: bool) -> tuple[str, dict[str, Any]]:
+def planner_section(
+    mixes: dict[str, dict[str, np.ndarray]],
+    max_lengths: list[int],
+    *,
+    warmup: int,
+    repeats: int,
+    buffer: int,
+    skip_trl: bool,
+) -> tuple[str, dict[str, Any]]:
     from hf_packing.planner import STRATEGIES, pack_stats, padded_fill_at_batch, plan_packs
 
     trl_pack = None if skip_trl else _trl_pack()
@@ -222,6 +230,7 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
                     stats = pack_stats(packs, lengths, ml)
                     results[(strategy, buf)] = (stats["fill"], stats["num_packs"])
                     return dt
+
                 return run
 
             arms: dict[str, Callable[[], float]] = {}
@@ -242,6 +251,7 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
                         dt = time.perf_counter() - t0
                         results[("trl", batch_size)] = _trl_fill(packed, ml)
                         return dt
+
                     return run
 
                 arms["trl|1000"] = trl_arm(1000)
@@ -251,8 +261,18 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
             rows.append([mix_name, str(ml), "padded batches of 8 (input order)", "-", f"{padded:.4f}", "-", "-", "-"])
             min_packs = min_packs_l2(lengths, ml)
             bound = lengths.sum() / (min_packs * ml)
-            rows.append([mix_name, str(ml), "upper bound on fill (Martello-Toth L2 lower bound on packs)",
-                         "-", f"{bound:.5f}", str(min_packs), "-", "-"])
+            rows.append(
+                [
+                    mix_name,
+                    str(ml),
+                    "upper bound on fill (Martello-Toth L2 lower bound on packs)",
+                    "-",
+                    f"{bound:.5f}",
+                    str(min_packs),
+                    "-",
+                    "-",
+                ]
+            )
             checks.setdefault("bound", {})[(mix_name, ml)] = bound
             for name, ts in times.items():
                 kind, buf = name.split("|")
@@ -260,7 +280,9 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
                 med = C.median(ts)
                 if kind == "trl":
                     fill, num_packs = results[("trl", None if buf == "None" else int(buf))]
-                    label = "TRL pack_dataset bfd" + (" (map batch 1000, default)" if buf != "None" else " (batch_size=None)")
+                    label = "TRL pack_dataset bfd" + (
+                        " (map batch 1000, default)" if buf != "None" else " (batch_size=None)"
+                    )
                     buf_label = "map batch 1000" if buf != "None" else "whole dataset"
                 else:
                     fill, num_packs = results[(kind, None if buf == "None" else int(buf))]
@@ -268,16 +290,36 @@ def planner_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[i
                 rate = n / med
                 if kind == "trl":  # keyed like the planner arm it is compared with
                     checks["trl"][(mix_name, ml, "whole dataset" if buf == "None" else f"buffer {buffer}")] = rate
-                rows.append([mix_name, str(ml), label, buf_label, f"{fill:.5f}", str(num_packs),
-                             f"{rate / 1e3:,.0f}k", f"{med * 1e3:,.1f}"])
+                rows.append(
+                    [
+                        mix_name,
+                        str(ml),
+                        label,
+                        buf_label,
+                        f"{fill:.5f}",
+                        str(num_packs),
+                        f"{rate / 1e3:,.0f}k",
+                        f"{med * 1e3:,.1f}",
+                    ]
+                )
                 if kind == "bfd" and buf != "None":
                     checks["fill"].append((mix_name, ml, fill))
                 if kind != "trl":
                     checks["speed"].append((mix_name, ml, kind, buf_label, rate))
             del dataset, results
             dropped = int((~keep).sum())
-            rows.append([mix_name, str(ml), f"(dropped before planning: {dropped} of {len(all_lengths)} samples > {ml})",
-                         "", "", "", "", ""])
+            rows.append(
+                [
+                    mix_name,
+                    str(ml),
+                    f"(dropped before planning: {dropped} of {len(all_lengths)} samples > {ml})",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                ]
+            )
             print(f"[packing] {mix_name} @ {ml}: done", flush=True)
     table = C.md_table(["mix", "max_length", "arm", "window", "fill", "packs", "items/s", "median ms"], rows)
     return table, checks
@@ -297,12 +339,15 @@ VARIANTS: dict[str, Callable[[np.ndarray, np.ndarray, int], dict[str, Any]]] = {
     "media budgets set, not binding": lambda lengths, images, ml: {"max_images": 64, "max_vision_patches": 64 * ml},
     # about the mean images per full pack (so it binds), but never below one sample's images (none dropped)
     "max_images binding": lambda lengths, images, ml: {
-        "max_images": max(round(images.sum() * ml / lengths.sum()), int(images.max())), "max_vision_patches": 64 * ml},
+        "max_images": max(round(images.sum() * ml / lengths.sum()), int(images.max())),
+        "max_vision_patches": 64 * ml,
+    },
 }
 
 
-def variants_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[int], *, warmup: int, repeats: int,
-                     buffer: int) -> str:
+def variants_section(
+    mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[int], *, warmup: int, repeats: int, buffer: int
+) -> str:
     """Fill and items/s of streaming BFD variants (`VARIANTS`), interleaved like the main table."""
     from hf_packing.planner import StreamingPlanner, pack_stats
 
@@ -324,6 +369,7 @@ def variants_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[
                     stats = pack_stats(packs, lengths, ml)
                     results[name] = (stats["fill"], stats["num_packs"])
                     return dt
+
                 return run
 
             kwargs = {name: make(lengths, images, ml) for name, make in VARIANTS.items()}
@@ -333,14 +379,27 @@ def variants_section(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[
                 med = C.median(ts)
                 label = name.replace("max_images", f"max_images={kwargs[name].get('max_images')}")
                 rate = len(lengths) / med
-                rows.append([mix_name, str(ml), label, f"{fill:.5f}", str(num_packs), f"{rate / 1e3:,.0f}k",
-                             f"{med * 1e3:,.1f}"])
-    return C.md_table(["mix", "max_length", "streaming BFD, buffer " + str(buffer), "fill", "packs", "items/s",
-                       "median ms"], rows)
+                rows.append(
+                    [
+                        mix_name,
+                        str(ml),
+                        label,
+                        f"{fill:.5f}",
+                        str(num_packs),
+                        f"{rate / 1e3:,.0f}k",
+                        f"{med * 1e3:,.1f}",
+                    ]
+                )
+    return C.md_table(
+        ["mix", "max_length", "streaming BFD, buffer " + str(buffer), "fill", "packs", "items/s", "median ms"], rows
+    )
 
 
-def buffer_sweep(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[int],
-                 buffers: tuple[int, ...] = (250, 500, 1000, 2000, 4000)) -> tuple[str, dict[tuple[str, int], int | None]]:
+def buffer_sweep(
+    mixes: dict[str, dict[str, np.ndarray]],
+    max_lengths: list[int],
+    buffers: tuple[int, ...] = (250, 500, 1000, 2000, 4000),
+) -> tuple[str, dict[tuple[str, int], int | None]]:
     """Streaming BFD fill against the window size (one run each; fill is deterministic).
 
     Returns the table and, per (mix, max_length), the smallest swept buffer reaching `TARGET_FILL` (None: none does).
@@ -351,8 +410,10 @@ def buffer_sweep(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[int]
     for mix_name, mix in mixes.items():
         for ml in max_lengths:
             lengths = mix["lengths"][mix["lengths"] <= ml]
-            fills = [pack_stats(plan_packs(lengths, max_length=ml, strategy="bfd", buffer_size=b), lengths, ml)["fill"]
-                     for b in (*buffers, None)]
+            fills = [
+                pack_stats(plan_packs(lengths, max_length=ml, strategy="bfd", buffer_size=b), lengths, ml)["fill"]
+                for b in (*buffers, None)
+            ]
             rows.append([mix_name, str(ml)] + [f"{f:.5f}" for f in fills])
             smallest[(mix_name, ml)] = next((b for b, f in zip(buffers, fills) if f >= TARGET_FILL), None)
     return C.md_table(["mix", "max_length", *(f"buffer {b}" for b in buffers), "whole dataset"], rows), smallest
@@ -361,8 +422,14 @@ def buffer_sweep(mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[int]
 # ------------------------------------------------------------------------------------------------ collator latency
 
 
-def _image_sample(rng: np.random.Generator, text_tokens: int, grids: list[tuple[int, int]], patch_dim: int,
-                  ids: dict[str, int], vocab: int = 498) -> dict[str, Any]:
+def _image_sample(
+    rng: np.random.Generator,
+    text_tokens: int,
+    grids: list[tuple[int, int]],
+    patch_dim: int,
+    ids: dict[str, int],
+    vocab: int = 498,
+) -> dict[str, Any]:
     """One processed-looking sample: prompt text, image placeholders, answer; fp32 pixels per patch.
 
     ``grids`` are merged-token grids ``(h, w)`` (2x2 patches each); text ids are drawn from ``[0, vocab)``.
@@ -372,8 +439,11 @@ def _image_sample(rng: np.random.Generator, text_tokens: int, grids: list[tuple[
     prompt = max(2, text_tokens // 3)
     parts = [torch.tensor([ids["im_start"]]), torch.from_numpy(rng.integers(0, vocab, prompt))]
     for gh, gw in grids:
-        parts += [torch.tensor([ids["vision_start"]]), torch.full((gh * gw,), ids["image_pad"]),
-                  torch.tensor([ids["vision_end"]])]
+        parts += [
+            torch.tensor([ids["vision_start"]]),
+            torch.full((gh * gw,), ids["image_pad"]),
+            torch.tensor([ids["vision_end"]]),
+        ]
     answer_start = sum(p.numel() for p in parts)
     parts += [torch.from_numpy(rng.integers(0, vocab, max(1, text_tokens - prompt - 2))), torch.tensor([ids["im_end"]])]
     input_ids = torch.cat(parts).long()
@@ -392,8 +462,18 @@ def collator_packs(patch_dim: int, ids: dict[str, int]) -> dict[str, list[dict[s
     """Two 8k-token packs: 10 samples with 4 images, and a pack drawn from the LLaVA-like mix (most with an image)."""
     rng = np.random.default_rng(7)
     # (text tokens, image grids in merged tokens): 5,946 text + 2,233 image + 8 markers = 8,187 tokens
-    few = [(180, [(17, 23)]), (1100, []), (220, [(13, 18)]), (900, []), (250, [(27, 37)]),
-           (700, []), (160, [(21, 29)]), (650, []), (1086, []), (700, [])]
+    few = [
+        (180, [(17, 23)]),
+        (1100, []),
+        (220, [(13, 18)]),
+        (900, []),
+        (250, [(27, 37)]),
+        (700, []),
+        (160, [(21, 29)]),
+        (650, []),
+        (1086, []),
+        (700, []),
+    ]
     pack_a = []
     for text, grids in few:
         pack_a.append(_image_sample(rng, text, grids, patch_dim, ids))
@@ -423,9 +503,13 @@ def collator_section(calls: int) -> tuple[list[list[str]], dict[str, float]]:
 
     processor = AutoProcessor.from_pretrained(str(FIXTURE))
     config = tiny_config("qwen2_5_vl")
-    ids = {"im_start": TOKEN_IDS["<|im_start|>"], "im_end": TOKEN_IDS["<|im_end|>"],
-           "vision_start": TOKEN_IDS["<|vision_start|>"], "vision_end": TOKEN_IDS["<|vision_end|>"],
-           "image_pad": TOKEN_IDS["<|image_pad|>"]}
+    ids = {
+        "im_start": TOKEN_IDS["<|im_start|>"],
+        "im_end": TOKEN_IDS["<|im_end|>"],
+        "vision_start": TOKEN_IDS["<|vision_start|>"],
+        "vision_end": TOKEN_IDS["<|vision_end|>"],
+        "image_pad": TOKEN_IDS["<|image_pad|>"],
+    }
     patch_dim = 3 * 2 * 14 * 14
     packs = collator_packs(patch_dim, ids)
     collators = {
@@ -445,6 +529,7 @@ def collator_section(calls: int) -> tuple[list[list[str]], dict[str, float]]:
                 t0 = time.perf_counter()
                 collator([features])
                 return time.perf_counter() - t0
+
             return run
 
         arms = {}
@@ -455,16 +540,27 @@ def collator_section(calls: int) -> tuple[list[list[str]], dict[str, float]]:
         for name, ts in times.items():
             ms = C.median(ts) * 1e3
             p90 = float(np.percentile(ts, 90)) * 1e3
-            rows.append([pack_name, f"{len(pack)} / {tokens} / {images} / {pixel_mb:.0f} MB", name.replace(" | ", ", "),
-                         f"{ms:.2f}", f"{p90:.2f}"])
+            rows.append(
+                [
+                    pack_name,
+                    f"{len(pack)} / {tokens} / {images} / {pixel_mb:.0f} MB",
+                    name.replace(" | ", ", "),
+                    f"{ms:.2f}",
+                    f"{p90:.2f}",
+                ]
+            )
             checks[f"{pack_name} :: {name}"] = ms
         # a memcpy of the pixel bytes, for scale: what any collator must do to return one contiguous tensor
         parts = [s["pixel_values"] for s in pack if "pixel_values" in s]
         out = torch.empty(sum(p.shape[0] for p in parts), patch_dim)
-        cat_times = C.interleaved({
-            "torch.cat(pixel_values) alone (fresh buffer)": lambda: _timed(lambda: torch.cat(parts)),
-            "torch.cat(pixel_values, out=reused buffer)": lambda: _timed(lambda: torch.cat(parts, out=out)),
-        }, warmup=10, repeats=calls)
+        cat_times = C.interleaved(
+            {
+                "torch.cat(pixel_values) alone (fresh buffer)": lambda: _timed(lambda: torch.cat(parts)),
+                "torch.cat(pixel_values, out=reused buffer)": lambda: _timed(lambda: torch.cat(parts, out=out)),
+            },
+            warmup=10,
+            repeats=calls,
+        )
         for name, ts in cat_times.items():
             rows.append([pack_name, "", name, f"{C.median(ts) * 1e3:.2f}", f"{np.percentile(ts, 90) * 1e3:.2f}"])
     return rows, checks
@@ -502,9 +598,12 @@ def collator_tables(calls: int) -> tuple[str, dict[str, float], dict[str, float]
             tuned_rows, tuned = [["(child process failed)", "", proc.stderr[-300:].replace("\n", " "), "", ""]], {}
     env_text = " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
     header = ["pack", "samples / tokens / images / pixels", "collator", "median ms", "p90 ms"]
-    table = ("Default glibc malloc (this process):\n\n" + C.md_table(header, rows)
-             + f"\n\nSame measurement in a child process started with `{env_text}` (one thread, like this one):\n\n"
-             + C.md_table(header, tuned_rows))
+    table = (
+        "Default glibc malloc (this process):\n\n"
+        + C.md_table(header, rows)
+        + f"\n\nSame measurement in a child process started with `{env_text}` (one thread, like this one):\n\n"
+        + C.md_table(header, tuned_rows)
+    )
     return table, checks, tuned
 
 
@@ -552,14 +651,16 @@ def e2e_section(num_samples: int) -> tuple[str, float | None]:
     env_text = " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
     tuned = _e2e_table(child)[0] if isinstance(child, dict) else f"(failed: {child})"
     where = f", pinned to core {child['core']}" if isinstance(child, dict) else ""
-    body = (f"{num_samples} HF-messages rows (94% with one JPEG of random size 300-1000 px a side, quality 90; text "
-            f"15-160 words), `pack_dataset(dataset, processor, max_length=8192, strategy='bfd', buffer_size=1000, "
-            f"image_root=tmp)` iterated in the benchmark process (its producer thread included), then "
-            f"`VisionCollator(mode='rows')` on every pack. Samples counted per pass: {here['count']} (rows the packer "
-            f"skipped would not count). The process is pinned to one core (the idlest, core {here['core']}) before "
-            f"the packer starts, so its producer thread shares that core; torch 1 thread. Both processors are "
-            f"interleaved pass by pass: one warm-up pass each, then the median of 3 passes.\n\n{table}\n\n"
-            f"The same in a child process started with `{env_text}`{where} (see the collator section):\n\n{tuned}")
+    body = (
+        f"{num_samples} HF-messages rows (94% with one JPEG of random size 300-1000 px a side, quality 90; text "
+        f"15-160 words), `pack_dataset(dataset, processor, max_length=8192, strategy='bfd', buffer_size=1000, "
+        f"image_root=tmp)` iterated in the benchmark process (its producer thread included), then "
+        f"`VisionCollator(mode='rows')` on every pack. Samples counted per pass: {here['count']} (rows the packer "
+        f"skipped would not count). The process is pinned to one core (the idlest, core {here['core']}) before "
+        f"the packer starts, so its producer thread shares that core; torch 1 thread. Both processors are "
+        f"interleaved pass by pass: one warm-up pass each, then the median of 3 passes.\n\n{table}\n\n"
+        f"The same in a child process started with `{env_text}`{where} (see the collator section):\n\n{tuned}"
+    )
     return body, min(per_core.values())
 
 
@@ -568,8 +669,10 @@ def _jpeg_rows(num: int, folder: Path) -> list[dict[str, Any]]:
     from PIL import Image
 
     rng = np.random.default_rng(11)
-    words = ("the a picture shows red car small house green door two windows describe image detail what colour "
-             "sky people photo dog bird tree table chair book cup coffee laptop").split()
+    words = (
+        "the a picture shows red car small house green door two windows describe image detail what colour "
+        "sky people photo dog bird tree table chair book cup coffee laptop"
+    ).split()
     rows = []
     for i in range(num):
         w, h = (int(x) for x in rng.integers(300, 1001, 2))
@@ -583,9 +686,15 @@ def _jpeg_rows(num: int, folder: Path) -> list[dict[str, Any]]:
         a = " ".join(rng.choice(words, int(rng.integers(10, 120))))
         text_only = rng.random() < 0.06
         user = [{"type": "text", "text": q}] if text_only else [{"type": "image"}, {"type": "text", "text": q}]
-        rows.append({"messages": [{"role": "user", "content": user},
-                                  {"role": "assistant", "content": [{"type": "text", "text": a}]}],
-                     "images": [] if text_only else [name]})
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": user},
+                    {"role": "assistant", "content": [{"type": "text", "text": a}]},
+                ],
+                "images": [] if text_only else [name],
+            }
+        )
     return rows
 
 
@@ -601,8 +710,10 @@ def _e2e(pack_dataset: Callable, num_samples: int, cores: list[int]) -> dict[str
     tiny = AutoProcessor.from_pretrained(str(FIXTURE))
     real_limits = copy.deepcopy(tiny)  # Qwen2.5-VL's released pixel limits: 56x56 .. 12,845,056 px
     real_limits.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": 12_845_056}
-    processors = {"tiny processor (images resized to <= 448x448 px)": tiny,
-                  "tiny processor with Qwen2.5-VL's real pixel limits (images kept at 300-1000 px)": real_limits}
+    processors = {
+        "tiny processor (images resized to <= 448x448 px)": tiny,
+        "tiny processor with Qwen2.5-VL's real pixel limits (images kept at 300-1000 px)": real_limits,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Dataset.from_list(_jpeg_rows(num_samples, Path(tmp)))
         kwargs = dict(max_length=8192, strategy="bfd", buffer_size=1000, image_root=tmp, disable_progress=True)
@@ -619,14 +730,17 @@ def _e2e(pack_dataset: Callable, num_samples: int, cores: list[int]) -> dict[str
                 dt = time.perf_counter() - t0
                 counts.append(count)
                 return count / dt
+
             return run
 
         counts: list[int] = []
         try:
             rates = C.interleaved({name: arm(p) for name, p in processors.items()}, warmup=1, repeats=3)
         except Exception as exc:  # noqa: BLE001 - an API still in flux must not sink the other results
-            return (f"Skipped: `pack_dataset(dataset, processor, {', '.join(kwargs)})` failed with "
-                    f"{type(exc).__name__}: {exc}. Its signature here: `{inspect.signature(pack_dataset)}`.")
+            return (
+                f"Skipped: `pack_dataset(dataset, processor, {', '.join(kwargs)})` failed with "
+                f"{type(exc).__name__}: {exc}. Its signature here: `{inspect.signature(pack_dataset)}`."
+            )
     return {"rates": {name: C.median(values) for name, values in rates.items()}, "count": counts[-1], "core": cores[0]}
 
 
@@ -644,8 +758,9 @@ def _e2e_table(result: dict[str, Any]) -> tuple[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n-llava", type=int, default=100_000, help="samples in the LLaVA-like mix")
     parser.add_argument("--n-docs", type=int, default=20_000, help="samples in the document mix")
     parser.add_argument("--max-lengths", type=int, nargs="+", default=[8192, 16384])
@@ -693,12 +808,21 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.time()
 
     mixes = {"llava": llava_mix(args.n_llava), "docs": docs_mix(args.n_docs)}
-    planner_table, checks = planner_section(mixes, args.max_lengths, warmup=args.warmup, repeats=args.repeats,
-                                            buffer=args.buffer_size, skip_trl=args.skip_trl)
+    planner_table, checks = planner_section(
+        mixes,
+        args.max_lengths,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        buffer=args.buffer_size,
+        skip_trl=args.skip_trl,
+    )
     sweep_table, smallest_buffer = buffer_sweep(mixes, args.max_lengths)
-    variants_table = variants_section(mixes, args.max_lengths, warmup=args.warmup, repeats=args.repeats,
-                                      buffer=args.buffer_size)
-    collator_table, collator_ms, collator_tuned = ("(skipped)", {}, {}) if args.skip_collator else collator_tables(args.collator_calls)
+    variants_table = variants_section(
+        mixes, args.max_lengths, warmup=args.warmup, repeats=args.repeats, buffer=args.buffer_size
+    )
+    collator_table, collator_ms, collator_tuned = (
+        ("(skipped)", {}, {}) if args.skip_collator else collator_tables(args.collator_calls)
+    )
     e2e_body, _ = ("(skipped)", None) if args.skip_e2e else e2e_section(args.e2e_samples)
 
     fill_ok = all(f >= TARGET_FILL for *_, f in checks["fill"])
@@ -707,24 +831,36 @@ def main(argv: list[str] | None = None) -> None:
     misses = [(m, ml, f) for m, ml, f in checks["fill"] if f < TARGET_FILL]
     unreachable = "".join(
         f" {m}@{ml} misses it, but no packer can reach it there: the L2 bound caps fill at {bounds[(m, ml)]:.4f}, and "
-        f"streaming BFD gets {f / bounds[(m, ml)]:.1%} of that bound." if bounds.get((m, ml), 1) < TARGET_FILL else
-        f" {m}@{ml} misses it with the bound at {bounds.get((m, ml), float('nan')):.4f}"
-        + (f"; a window of {smallest_buffer[(m, ml)]} samples reaches it (sweep below)." if smallest_buffer.get((m, ml))
-           else "; no swept window reaches it (sweep below).")
-        for m, ml, f in misses)
+        f"streaming BFD gets {f / bounds[(m, ml)]:.1%} of that bound."
+        if bounds.get((m, ml), 1) < TARGET_FILL
+        else f" {m}@{ml} misses it with the bound at {bounds.get((m, ml), float('nan')):.4f}"
+        + (
+            f"; a window of {smallest_buffer[(m, ml)]} samples reaches it (sweep below)."
+            if smallest_buffer.get((m, ml))
+            else "; no swept window reaches it (sweep below)."
+        )
+        for m, ml, f in misses
+    )
     stream_bfd = [(m, ml, r) for m, ml, k, b, r in checks["speed"] if k == "bfd" and b != "whole dataset"]
     speed_ok = all(r >= TARGET_ITEMS_PER_S for *_, r in stream_bfd)
     speed_text = ", ".join(f"{m}@{ml}: {r / 1e3:,.0f}k" for m, ml, r in stream_bfd)
     slow = sorted({f"{k} ({b})" for m, ml, k, b, r in checks["speed"] if r < TARGET_ITEMS_PER_S})
-    vs_trl = [(m, ml, b, r / checks["trl"][(m, ml, b)]) for m, ml, k, b, r in checks["speed"]
-              if k == "bfd" and (m, ml, b) in checks["trl"]]
+    vs_trl = [
+        (m, ml, b, r / checks["trl"][(m, ml, b)])
+        for m, ml, k, b, r in checks["speed"]
+        if k == "bfd" and (m, ml, b) in checks["trl"]
+    ]
     trl_ok = all(x >= TARGET_VS_TRL for *_, x in vs_trl) if vs_trl else None
-    trl_text = ", ".join(f"{m}@{ml} {'whole' if b == 'whole dataset' else 'streaming'}: {x:.0f}x"
-                         for m, ml, b, x in vs_trl)
+    trl_text = ", ".join(
+        f"{m}@{ml} {'whole' if b == 'whole dataset' else 'streaming'}: {x:.0f}x" for m, ml, b, x in vs_trl
+    )
     headline = [k for k in collator_ms if k.startswith("10 samples") and "no pixel" not in k and "positions" not in k]
     coll_ok = all(collator_ms[k] <= TARGET_COLLATOR_MS for k in headline) if headline else None
-    tuned_ok = (all(collator_tuned[k] <= TARGET_COLLATOR_MS for k in headline)
-                if headline and all(k in collator_tuned for k in headline) else None)
+    tuned_ok = (
+        all(collator_tuned[k] <= TARGET_COLLATOR_MS for k in headline)
+        if headline and all(k in collator_tuned for k in headline)
+        else None
+    )
 
     def verdict(ok: bool | None) -> str:
         return "n/a" if ok is None else ("PASS" if ok else "FAIL")

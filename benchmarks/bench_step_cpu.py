@@ -32,7 +32,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -49,9 +48,11 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "qwen2_5_vl"
 PLOT = Path(__file__).resolve().parent / "step_cpu.png"
 ARMS = ("padded+sdpa", "flat+sdpa", "rmpad+reference")
-WORDS = ("the quick brown fox jumps over lazy dog while cat watches from window picture shows red car parked near "
-         "small house with green door two windows describe image in detail what colour is sky how many people are "
-         "photo video starts person walking along beach camera turns sea answer explains reasoning step by").split()
+WORDS = (
+    "the quick brown fox jumps over lazy dog while cat watches from window picture shows red car parked near "
+    "small house with green door two windows describe image in detail what colour is sky how many people are "
+    "photo video starts person walking along beach camera turns sea answer explains reasoning step by"
+).split()
 
 
 def step_config():
@@ -60,15 +61,23 @@ def step_config():
     return tiny_config(
         "qwen2_5_vl",
         text_config={
-            "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-            "intermediate_size": 1376, "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0,
-                                                           "mrope_section": [8, 12, 12]},
+            "hidden_size": 512,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "intermediate_size": 1376,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [8, 12, 12]},
         },
         vision_config={
-            "depth": 4, "hidden_size": 256, "num_heads": 4, "intermediate_size": 684, "out_hidden_size": 512,
-            "window_size": 112, "fullatt_block_indexes": [3],
+            "depth": 4,
+            "hidden_size": 256,
+            "num_heads": 4,
+            "intermediate_size": 684,
+            "out_hidden_size": 512,
+            "window_size": 112,
+            "fullatt_block_indexes": [3],
         },
-    )  # fmt: skip
+    )
 
 
 def build_model(seed: int = 0):
@@ -137,7 +146,7 @@ def make_batches(num_batches: int, batch_size: int, seed: int = 0) -> dict[str, 
     processor = AutoProcessor.from_pretrained(str(FIXTURE))
     config = step_config()
     samples = make_samples(processor, num_batches * batch_size, seed)
-    packs = [samples[i * batch_size:(i + 1) * batch_size] for i in range(num_batches)]
+    packs = [samples[i * batch_size : (i + 1) * batch_size] for i in range(num_batches)]
     rows = VisionCollator(processor, mode="rows", return_cu_seqlens=False)
     rows_cu = VisionCollator(processor, mode="rows", return_cu_seqlens=True)
     flat = VisionCollator(processor, mode="flat", model_config=config)
@@ -151,10 +160,15 @@ def make_batches(num_batches: int, batch_size: int, seed: int = 0) -> dict[str, 
 
 def batch_stats(batch: dict[str, Any]) -> dict[str, float]:
     mask = batch["attention_mask"]
-    return {"real": int(mask.sum()), "slots": int(mask.numel()), "rows": int(mask.shape[0]), "width": int(mask.shape[1]),
-            "images": int(batch["image_grid_thw"].shape[0]) if "image_grid_thw" in batch else 0,
-            "patches": int(batch["pixel_values"].shape[0]) if "pixel_values" in batch else 0,
-            "supervised": int((batch["labels"] != -100).sum())}
+    return {
+        "real": int(mask.sum()),
+        "slots": int(mask.numel()),
+        "rows": int(mask.shape[0]),
+        "width": int(mask.shape[1]),
+        "images": int(batch["image_grid_thw"].shape[0]) if "image_grid_thw" in batch else 0,
+        "patches": int(batch["pixel_values"].shape[0]) if "pixel_values" in batch else 0,
+        "supervised": int((batch["labels"] != -100).sum()),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -219,11 +233,21 @@ def profile_step(arm: Arm, index: int, top: int) -> tuple[list[list[str]], dict[
         cats[label] += e.self_cpu_time_total / 1e3
     cats["total"] = total / 1e3
     rows = []
-    for e in sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]:
+    for e in sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: e.self_cpu_time_total, reverse=True)[
+        :top
+    ]:
         shapes = str([list(s) for s in e.input_shapes if s][:3]).replace(" ", "")
         shapes = shapes if len(shapes) <= 60 else shapes[:57] + "..."
-        rows.append([arm.name, f"`{e.key}`", f"`{shapes}`", f"{e.self_cpu_time_total / 1e3:.1f}",
-                     f"{100 * e.self_cpu_time_total / total:.1f}%", str(e.count)])
+        rows.append(
+            [
+                arm.name,
+                f"`{e.key}`",
+                f"`{shapes}`",
+                f"{e.self_cpu_time_total / 1e3:.1f}",
+                f"{100 * e.self_cpu_time_total / total:.1f}%",
+                str(e.count),
+            ]
+        )
     return rows, cats
 
 
@@ -275,16 +299,32 @@ def rss_child(arm_name: str, state_path: str, steps: int, threads: int) -> dict[
     for i in range(steps):
         arm.step(i % len(arm.batches))
     peak = _vm("VmHWM") if method.startswith("VmHWM") else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"before": before, "peak": peak, "method": method,
-            "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {
+        "before": before,
+        "peak": peak,
+        "method": method,
+        "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
 
 
 def measure_rss(state_path: str, steps: int, threads: int) -> dict[str, dict[str, Any]]:
     out = {}
     for name in ARMS:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            cmd = [sys.executable, __file__, "--rss-child", name, "--state", state_path, "--rss-steps", str(steps),
-                   "--threads", str(threads), "--rss-out", tmp.name]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--rss-child",
+                name,
+                "--state",
+                state_path,
+                "--rss-steps",
+                str(steps),
+                "--threads",
+                str(threads),
+                "--rss-out",
+                tmp.name,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 out[name] = {"error": proc.stderr[-500:]}
@@ -304,7 +344,10 @@ def plot(path: Path, arms: list[str], tok_s: list[float], step_ms: list[float], 
 
     colors = ["#8c8c8c", "#4c72b0", "#dd8452"]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    for ax, values, label, fmt in ((axes[0], tok_s, "real tokens / s", "{:,.0f}"), (axes[1], step_ms, "step time (ms)", "{:,.0f}")):
+    for ax, values, label, fmt in (
+        (axes[0], tok_s, "real tokens / s", "{:,.0f}"),
+        (axes[1], step_ms, "step time (ms)", "{:,.0f}"),
+    ):
         bars = ax.bar(arms, values, color=colors[: len(arms)])
         ax.set_ylabel(label)
         ax.bar_label(bars, labels=[fmt.format(v) for v in values], padding=2, fontsize=9)
@@ -344,7 +387,14 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.rss_out).write_text(json.dumps(rss_child(args.rss_child, args.state, args.rss_steps, args.threads)))
         return
     if args.quick:
-        args.batch_size, args.warmup, args.steps, args.rss_steps, args.profile_steps, args.no_write = 4, 1, 2, 1, 1, True
+        args.batch_size, args.warmup, args.steps, args.rss_steps, args.profile_steps, args.no_write = (
+            4,
+            1,
+            2,
+            1,
+            1,
+            True,
+        )
     torch.set_num_threads(args.threads)
     load_before = C.load_average()
     t_start = time.time()
@@ -362,15 +412,17 @@ def main(argv: list[str] | None = None) -> None:
             dt = arm.step(i)
             if i >= args.warmup:
                 times[name].append(dt)
-        print(f"[step] batch {i}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" if times[n] else n for n in ARMS),
-              flush=True)
+        print(
+            f"[step] batch {i}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" if times[n] else n for n in ARMS),
+            flush=True,
+        )
 
     stats = [batch_stats(b) for b in batches["padded+sdpa"]]
-    measured = stats[args.warmup:]
+    measured = stats[args.warmup :]
     real = [s["real"] for s in measured]
     real_fraction = sum(real) / sum(s["slots"] for s in measured)
     med = {n: C.median(t) for n, t in times.items()}
-    phase = {n: [C.median(p[k] for p in arms[n].phases[args.warmup:]) for k in range(3)] for n in ARMS}
+    phase = {n: [C.median(p[k] for p in arms[n].phases[args.warmup :]) for k in range(3)] for n in ARMS}
     tok_s = {n: C.median(r / t for r, t in zip(real, times[n])) for n in ARMS}
     first = {n: arms[n].losses[0] for n in ARMS}
     ref = first["padded+sdpa"]
@@ -388,8 +440,11 @@ def main(argv: list[str] | None = None) -> None:
     prof_fraction = stats[args.warmup]["real"] / stats[args.warmup]["slots"]
     # attention score elements of that batch: padded B*L^2, rmpad sum(len^2), flat (dense block mask) T^2
     lens = batches["padded+sdpa"][args.warmup]["attention_mask"].sum(1).tolist()
-    att = {"padded+sdpa": len(lens) * max(lens) ** 2, "rmpad+reference": sum(n * n for n in lens),
-           "flat+sdpa": sum(lens) ** 2}
+    att = {
+        "padded+sdpa": len(lens) * max(lens) ** 2,
+        "rmpad+reference": sum(n * n for n in lens),
+        "flat+sdpa": sum(lens) ** 2,
+    }
     vision_s = vision_share(arms["padded+sdpa"].model, batches["padded+sdpa"][args.warmup])
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -402,22 +457,59 @@ def main(argv: list[str] | None = None) -> None:
     step_rows = []
     for n in ARMS:
         r = rss[n]
-        rss_txt = (f"{r['peak'] / 2**20:,.0f} MiB ({(r['peak'] - r['before']) / 2**20:+,.0f})" if "peak" in r else "error")
+        rss_txt = (
+            f"{r['peak'] / 2**20:,.0f} MiB ({(r['peak'] - r['before']) / 2**20:+,.0f})" if "peak" in r else "error"
+        )
         fwd, bwd, opt = (x * 1e3 for x in phase[n])
-        step_rows.append([n, f"**{med[n] * 1e3:,.0f}**", f"{fwd:,.0f} / {bwd:,.0f} / {opt:,.0f}",
-                          f"{med[n] / med[pad]:.3f}", f"{tok_s[n]:,.0f}", rss_txt, f"{first[n]:.7f}",
-                          f"{loss_err[n]:.1e}"])
-    step_table = C.md_table(["arm", "median step ms", "fwd / bwd / AdamW ms", "time / padded", "real tokens/s",
-                             "peak RSS (increase over pre-step RSS)", "first-step loss", "rel. diff vs padded"], step_rows)
-    batch_rows = [[str(i), str(s["rows"]), str(s["width"]), str(s["real"]), f"{s['real'] / s['slots']:.3f}",
-                   str(s["images"]), str(s["patches"]), str(s["supervised"])]
-                  for i, s in enumerate(stats)]
-    batch_table = C.md_table(["batch", "rows", "padded width", "real tokens", "real fraction", "images", "patches",
-                              "supervised"], batch_rows)
+        step_rows.append(
+            [
+                n,
+                f"**{med[n] * 1e3:,.0f}**",
+                f"{fwd:,.0f} / {bwd:,.0f} / {opt:,.0f}",
+                f"{med[n] / med[pad]:.3f}",
+                f"{tok_s[n]:,.0f}",
+                rss_txt,
+                f"{first[n]:.7f}",
+                f"{loss_err[n]:.1e}",
+            ]
+        )
+    step_table = C.md_table(
+        [
+            "arm",
+            "median step ms",
+            "fwd / bwd / AdamW ms",
+            "time / padded",
+            "real tokens/s",
+            "peak RSS (increase over pre-step RSS)",
+            "first-step loss",
+            "rel. diff vs padded",
+        ],
+        step_rows,
+    )
+    batch_rows = [
+        [
+            str(i),
+            str(s["rows"]),
+            str(s["width"]),
+            str(s["real"]),
+            f"{s['real'] / s['slots']:.3f}",
+            str(s["images"]),
+            str(s["patches"]),
+            str(s["supervised"]),
+        ]
+        for i, s in enumerate(stats)
+    ]
+    batch_table = C.md_table(
+        ["batch", "rows", "padded width", "real tokens", "real fraction", "images", "patches", "supervised"], batch_rows
+    )
     prof_table = C.md_table(["arm", "op", "input shapes (first 3)", "self CPU ms", "share", "calls"], prof_rows)
     labels = [label for label, _ in CATEGORIES]
-    cat_rows = [[n] + [f"{cats[n][l]:,.0f} ({cats[n][l] / cats[pad][l]:.2f}x)" for l in labels]
-                + [f"{cats[n]['total']:,.0f} ({cats[n]['total'] / cats[pad]['total']:.2f}x)"] for n in ARMS]
+    cat_rows = [
+        [n]
+        + [f"{cats[n][l]:,.0f} ({cats[n][l] / cats[pad][l]:.2f}x)" for l in labels]
+        + [f"{cats[n]['total']:,.0f} ({cats[n]['total'] / cats[pad]['total']:.2f}x)"]
+        for n in ARMS
+    ]
     cat_table = C.md_table(["arm (ms; x padded)", *labels, "total"], cat_rows)
     fixed = vision_s + phase[pad][2]
     expected = fixed + real_fraction * (med[pad] - fixed)
@@ -426,22 +518,34 @@ def main(argv: list[str] | None = None) -> None:
     max_err = max(loss_err.values())
     mm = {n: cats[n][labels[0]] / cats[pad][labels[0]] for n in ARMS}
     at = {n: cats[n][labels[1]] / cats[pad][labels[1]] for n in ARMS}
-    summary = {"median_ms": {n: med[n] * 1e3 for n in ARMS}, "phases_ms": {n: [x * 1e3 for x in phase[n]] for n in ARMS},
-               "tokens_per_s": tok_s, "real_fraction": real_fraction, "first_loss": first, "vision_ms": vision_s * 1e3,
-               "expected_rmpad_ms": expected * 1e3, "rss": rss, "profile_categories_ms": cats,
-               "attention_elements": att}
-    why = ("; a little faster than that, because attention falls with Σ len² / (B·L²), faster than the token "
-           "fraction" if rmpad < 0.97 * expected else
-           "; slower than that: look for per-sequence overheads in the profile below" if rmpad > 1.05 * expected else "")
+    summary = {
+        "median_ms": {n: med[n] * 1e3 for n in ARMS},
+        "phases_ms": {n: [x * 1e3 for x in phase[n]] for n in ARMS},
+        "tokens_per_s": tok_s,
+        "real_fraction": real_fraction,
+        "first_loss": first,
+        "vision_ms": vision_s * 1e3,
+        "expected_rmpad_ms": expected * 1e3,
+        "rss": rss,
+        "profile_categories_ms": cats,
+        "attention_elements": att,
+    }
+    why = (
+        "; a little faster than that, because attention falls with Σ len² / (B·L²), faster than the token fraction"
+        if rmpad < 0.97 * expected
+        else "; slower than that: look for per-sequence overheads in the profile below"
+        if rmpad > 1.05 * expected
+        else ""
+    )
     analysis = f"""Naive expectation: rmpad step / padded step = real-token fraction = **{real_fraction:.3f}**; measured **{rmpad / med[pad]:.3f}** ({rmpad * 1e3:,.0f} vs {med[pad] * 1e3:,.0f} ms).
 
 What scales with what (self CPU time per operator class, median of {args.profile_steps} profiled steps per arm on the first measured batch, whose real-token fraction is {prof_fraction:.3f}; ratio to padded):
 
 {cat_table}
 
-- Linear layers (matmul) scale with the tokens that go through them: rmpad/padded = {mm['rmpad+reference']:.2f}x (real fraction of the profiled batch {prof_fraction:.3f}); flat {mm['flat+sdpa']:.2f}x.
-- Attention scales with score elements (profiled batch): padded computes B·L² = {att[pad]:,}, rmpad Σ len² = {att['rmpad+reference']:,} ({att['rmpad+reference'] / att[pad]:.2f}x), flat+sdpa the dense T² = {att['flat+sdpa']:,} ({att['flat+sdpa'] / att[pad]:.2f}x: sdpa gets a block-diagonal *mask* over the whole row and on CPU computes every masked score). Measured attention-kernel time: rmpad {at['rmpad+reference']:.2f}x, flat {at['flat+sdpa']:.2f}x of padded.
-- Fixed costs that no padding scheme changes: the vision tower ({vision_s * 1e3:,.0f} ms forward + backward on this batch's {measured[0]['patches']} patches) and AdamW over {n_params / 1e6:.1f}M parameters ({phase[pad][2] * 1e3:,.0f} ms). With them, the expected rmpad step is fixed + fraction x (padded - fixed) = {fixed * 1e3:,.0f} + {real_fraction:.3f} x {(med[pad] - fixed) * 1e3:,.0f} = **{expected * 1e3:,.0f} ms**; measured {rmpad * 1e3:,.0f} ms ({rmpad / expected:.2f}x the expectation){why}."""
+- Linear layers (matmul) scale with the tokens that go through them: rmpad/padded = {mm["rmpad+reference"]:.2f}x (real fraction of the profiled batch {prof_fraction:.3f}); flat {mm["flat+sdpa"]:.2f}x.
+- Attention scales with score elements (profiled batch): padded computes B·L² = {att[pad]:,}, rmpad Σ len² = {att["rmpad+reference"]:,} ({att["rmpad+reference"] / att[pad]:.2f}x), flat+sdpa the dense T² = {att["flat+sdpa"]:,} ({att["flat+sdpa"] / att[pad]:.2f}x: sdpa gets a block-diagonal *mask* over the whole row and on CPU computes every masked score). Measured attention-kernel time: rmpad {at["rmpad+reference"]:.2f}x, flat {at["flat+sdpa"]:.2f}x of padded.
+- Fixed costs that no padding scheme changes: the vision tower ({vision_s * 1e3:,.0f} ms forward + backward on this batch's {measured[0]["patches"]} patches) and AdamW over {n_params / 1e6:.1f}M parameters ({phase[pad][2] * 1e3:,.0f} ms). With them, the expected rmpad step is fixed + fraction x (padded - fixed) = {fixed * 1e3:,.0f} + {real_fraction:.3f} x {(med[pad] - fixed) * 1e3:,.0f} = **{expected * 1e3:,.0f} ms**; measured {rmpad * 1e3:,.0f} ms ({rmpad / expected:.2f}x the expectation){why}."""
     notes = "\n".join(f"- {n}" for n in NOTES)
     body = f"""## CPU training step: padded vs flat vs rmpad (`bench_step_cpu.py`)
 
@@ -479,9 +583,14 @@ Batches (padded view; the first {args.warmup} are warm-up):
     if args.no_write:
         print(body)
     else:
-        plot(PLOT, list(ARMS), [tok_s[n] for n in ARMS], [med[n] * 1e3 for n in ARMS],
-             f"Qwen2.5-VL {n_params / 1e6:.1f}M, CPU ({args.threads} thread{'s' if args.threads > 1 else ''}), "
-             f"batches of {args.batch_size}, real-token fraction {real_fraction:.2f}")
+        plot(
+            PLOT,
+            list(ARMS),
+            [tok_s[n] for n in ARMS],
+            [med[n] * 1e3 for n in ARMS],
+            f"Qwen2.5-VL {n_params / 1e6:.1f}M, CPU ({args.threads} thread{'s' if args.threads > 1 else ''}), "
+            f"batches of {args.batch_size}, real-token fraction {real_fraction:.2f}",
+        )
         C.write_section("bench_step_cpu", body)
         print(body)
         print(f"wrote {C.RESULTS} and {PLOT}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-from functools import lru_cache
+from functools import cache
 from types import ModuleType, SimpleNamespace
 
 #: transformers versions the patches are tested against (inclusive lower, exclusive upper bound).
@@ -43,7 +43,7 @@ def check_transformers_version() -> str:
     return version
 
 
-@lru_cache(maxsize=None)
+@cache
 def flash_attn_varlen_module() -> ModuleType | None:
     """The module exposing ``flash_attn_varlen_func``: FA3 (``flash_attn_interface``) first, then FA2."""
     for name in ("flash_attn_interface", "flash_attn"):
@@ -58,7 +58,7 @@ def flash_attn_varlen_module() -> ModuleType | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def torch_varlen_attn():
     """``torch.nn.attention.varlen.varlen_attn`` if this torch has it, else ``None``."""
     try:
@@ -68,14 +68,14 @@ def torch_varlen_attn():
     return varlen_attn
 
 
-@lru_cache(maxsize=None)
+@cache
 def torch_varlen_params() -> frozenset[str]:
     """Keyword names ``varlen_attn`` accepts; its signature changed across torch releases."""
     fn = torch_varlen_attn()
     return frozenset(inspect.signature(fn).parameters) if fn is not None else frozenset()
 
 
-@lru_cache(maxsize=None)
+@cache
 def liger_fused_linear_cross_entropy():
     """Liger-Kernel's fused linear cross-entropy function, or ``None`` when not installed."""
     if importlib.util.find_spec("liger_kernel") is None:
@@ -87,7 +87,7 @@ def liger_fused_linear_cross_entropy():
     return liger_fused_linear_cross_entropy
 
 
-@lru_cache(maxsize=None)
+@cache
 def fla_linear_ops() -> SimpleNamespace | None:
     """flash-linear-attention's varlen kernels, or ``None`` when the package (or its Triton build) is missing.
 

@@ -34,7 +34,6 @@ from .loss import IGNORE_INDEX
 logger = logging.getLogger("hf_packing")
 
 
-
 def _as_long(x: Any) -> torch.Tensor:
     t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
     return t.reshape(-1).long()
@@ -65,8 +64,12 @@ class RopeIndex:
             return torch.arange(input_ids.numel()).expand(3, -1)
         extra = {k: sample[k] for k in self._extra if sample.get(k) is not None}
         positions, _ = self.get_rope_index(
-            input_ids[None], mm_token_type_ids=mm_types[None], image_grid_thw=image_grid,
-            video_grid_thw=video_grid, attention_mask=None, **extra,
+            input_ids[None],
+            mm_token_type_ids=mm_types[None],
+            image_grid_thw=image_grid,
+            video_grid_thw=video_grid,
+            attention_mask=None,
+            **extra,
         )
         return positions[:, 0]
 
@@ -92,9 +95,17 @@ class VisionCollator:
     ``max_length_q/k``.
     """
 
-    def __init__(self, processor=None, *, mode: str = "rows", model_config=None, pad_to_multiple_of: int | None = None,
-                 return_cu_seqlens: bool = False, pad_token_id: int | None = None,
-                 padding_side: str | None = None) -> None:
+    def __init__(
+        self,
+        processor=None,
+        *,
+        mode: str = "rows",
+        model_config=None,
+        pad_to_multiple_of: int | None = None,
+        return_cu_seqlens: bool = False,
+        pad_token_id: int | None = None,
+        padding_side: str | None = None,
+    ) -> None:
         if mode not in ("rows", "flat"):
             raise ValueError(f"mode must be 'rows' or 'flat', got {mode!r}")
         if mode == "flat" and model_config is None:
@@ -106,8 +117,12 @@ class VisionCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.return_cu_seqlens = return_cu_seqlens
         self.rope_index = RopeIndex(model_config) if model_config is not None else None
-        self.image_token_id = getattr(processor, "image_token_id", None) or getattr(model_config, "image_token_id", None)
-        self.video_token_id = getattr(processor, "video_token_id", None) or getattr(model_config, "video_token_id", None)
+        self.image_token_id = getattr(processor, "image_token_id", None) or getattr(
+            model_config, "image_token_id", None
+        )
+        self.video_token_id = getattr(processor, "video_token_id", None) or getattr(
+            model_config, "video_token_id", None
+        )
         image_processor = getattr(processor, "image_processor", None)
         self.merge = getattr(image_processor, "merge_size", None) or getattr(
             getattr(model_config, "vision_config", None), "spatial_merge_size", 2
@@ -143,7 +158,11 @@ class VisionCollator:
                     "the sample was processed with a different processor or its text was truncated"
                 )
             pixels = sample.get(pix_key)
-            if pixels is not None and self.patch_dim is not None and torch.as_tensor(pixels).shape[-1] != self.patch_dim:
+            if (
+                pixels is not None
+                and self.patch_dim is not None
+                and torch.as_tensor(pixels).shape[-1] != self.patch_dim
+            ):
                 raise ValueError(
                     f"sample {index}: {pix_key} has patch dim {torch.as_tensor(pixels).shape[-1]} but this processor "
                     f"makes {self.patch_dim}; samples from different processors cannot share a batch"
@@ -158,9 +177,13 @@ class VisionCollator:
                 raise ValueError(f"sample {index} has no 'input_ids'; keys are {sorted(sample)}")
             sample_ids = _as_long(sample["input_ids"])
             self._check(index, sample, sample_ids)
-            sample_labels = _as_long(sample["labels"]).clone() if sample.get("labels") is not None else sample_ids.clone()
+            sample_labels = (
+                _as_long(sample["labels"]).clone() if sample.get("labels") is not None else sample_ids.clone()
+            )
             if sample_labels.numel() != sample_ids.numel():
-                raise ValueError(f"sample {index}: labels has {sample_labels.numel()} tokens, input_ids {sample_ids.numel()}")
+                raise ValueError(
+                    f"sample {index}: labels has {sample_labels.numel()} tokens, input_ids {sample_ids.numel()}"
+                )
             sample_labels[0] = IGNORE_INDEX
             if sample.get("mm_token_type_ids") is not None:
                 sample_types = _as_long(sample["mm_token_type_ids"])
@@ -176,7 +199,11 @@ class VisionCollator:
             types.append(sample_types)
             if self.rope_index is not None:
                 positions.append(self.rope_index(sample, sample_ids, sample_types))
-        batch = self._rows(ids, labels, types, positions) if self.mode == "rows" else self._flat(ids, labels, types, positions)
+        batch = (
+            self._rows(ids, labels, types, positions)
+            if self.mode == "rows"
+            else self._flat(ids, labels, types, positions)
+        )
         batch.update(self._vision(samples))
         return batch
 

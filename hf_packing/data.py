@@ -40,8 +40,17 @@ logger = logging.getLogger("hf_packing")
 
 META_COLUMNS = ("hfp_num_tokens", "hfp_num_images", "hfp_vision_patches", "hfp_skip")
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-__all__ = ["META_COLUMNS", "REASONS", "VISION_KEYS", "OverlongError", "Preprocessor", "SampleError", "SampleMeta",
-           "SkipCounter", "normalize_row"]
+__all__ = [
+    "META_COLUMNS",
+    "REASONS",
+    "VISION_KEYS",
+    "OverlongError",
+    "Preprocessor",
+    "SampleError",
+    "SampleMeta",
+    "SkipCounter",
+    "normalize_row",
+]
 _CHATML = re.compile(r"<\|im_start\|>assistant\n.*?<\|im_end\|>", re.S)
 
 
@@ -53,12 +62,19 @@ class SkipCounter(Counter):
         super().__init__(*args, **kwargs)
         self.log = log
 
-    def record(self, reason: str, index: Any, message: str, *, key: Any = None,
-               exc_info: BaseException | None = None) -> None:
+    def record(
+        self, reason: str, index: Any, message: str, *, key: Any = None, exc_info: BaseException | None = None
+    ) -> None:
         key = reason if key is None else key
         if self[key] == 0 and self.log:
-            logger.warning("skipping sample %s (%s): %s. Further %r skips are only counted (see stats()).",
-                           index, reason, message, reason, exc_info=exc_info)
+            logger.warning(
+                "skipping sample %s (%s): %s. Further %r skips are only counted (see stats()).",
+                index,
+                reason,
+                message,
+                reason,
+                exc_info=exc_info,
+            )
         self[key] += 1
 
 
@@ -94,10 +110,20 @@ class Preprocessor:
         row_format (`str`, defaults to `"auto"`): `"messages"`, `"llava"`, or `"auto"` per row (see `formats.py`).
     """
 
-    def __init__(self, processor: Any, *, max_length: int | None = None, media_root: str | os.PathLike | None = None,
-                 video_root: str | os.PathLike | None = None, fps: float | None = None, row_format: str = "auto",
-                 train_on: str = "assistant", on_overlong: str = "drop", max_image_pixels: int = MAX_IMAGE_PIXELS,
-                 image_root: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        processor: Any,
+        *,
+        max_length: int | None = None,
+        media_root: str | os.PathLike | None = None,
+        video_root: str | os.PathLike | None = None,
+        fps: float | None = None,
+        row_format: str = "auto",
+        train_on: str = "assistant",
+        on_overlong: str = "drop",
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
+        image_root: str | os.PathLike | None = None,
+    ) -> None:
         if media_root is not None and image_root is not None:
             raise ValueError("image_root is the former name of media_root: pass one of them")
         if row_format not in FORMATS:
@@ -109,15 +135,21 @@ class Preprocessor:
         self.processor, self.max_length, self.train_on, self.on_overlong = processor, max_length, train_on, on_overlong
         root = media_root if media_root is not None else image_root
         self.images = ImageLoader(image_root=root, max_image_pixels=max_image_pixels)
-        self.frames = ImageLoader(image_root=root if video_root is None else video_root,
-                                  max_image_pixels=max_image_pixels)
+        self.frames = ImageLoader(
+            image_root=root if video_root is None else video_root, max_image_pixels=max_image_pixels
+        )
         self.fps, self.row_format = fps, row_format
         self.tokenizer = getattr(processor, "tokenizer", processor)
         ids = self.tokenizer.convert_tokens_to_ids
         self.image_token, self.video_token = processor.image_token, getattr(processor, "video_token", None)
         self.image_id, self.video_id = ids(self.image_token), ids(self.video_token) if self.video_token else None
-        self.vision_ids = np.array([i for i in (self.image_id, self.video_id, ids("<|vision_start|>"),
-                                                ids("<|vision_end|>")) if isinstance(i, int) and i >= 0])
+        self.vision_ids = np.array(
+            [
+                i
+                for i in (self.image_id, self.video_id, ids("<|vision_start|>"), ids("<|vision_end|>"))
+                if isinstance(i, int) and i >= 0
+            ]
+        )
         self.merge = processor.image_processor.merge_size
 
     # ------------------------------------------------------------------------------------------------ metadata
@@ -156,7 +188,8 @@ class Preprocessor:
             raise SampleError("no_assistant_turn", "no assistant turn to supervise (or set train_on='all')")
         text = self.processor.apply_chat_template(messages, tokenize=False)
         if text.count(self.image_token) != len(images) or (
-                self.video_token and text.count(self.video_token) != len(videos)):
+            self.video_token and text.count(self.video_token) != len(videos)
+        ):
             raise SampleError("placeholder_mismatch", "the text itself contains image/video placeholder tokens")
         img_patches = [self._image_patches(ref) for ref in images]
         spans = self._supervised_spans(messages, text)
@@ -168,12 +201,13 @@ class Preprocessor:
         for token, counts in ((self.image_id, [p // self.merge**2 for p in img_patches]), (self.video_id, vid_runs)):
             where = np.flatnonzero(ids == token) if token is not None else np.zeros(0, np.int64)
             if len(where) != len(counts):
-                raise SampleError("placeholder_mismatch", f"{len(where)} placeholder tokens after tokenizing, "
-                                                          f"{len(counts)} expected")
+                raise SampleError(
+                    "placeholder_mismatch", f"{len(where)} placeholder tokens after tokenizing, {len(counts)} expected"
+                )
             repeats[where] = counts
         vision = np.isin(ids, self.vision_ids)
         supervised = np.zeros(len(ids), dtype=bool)
-        for a, b in ([(shift(a), shift(b)) for a, b in spans] if spans is not None else [(0, len(compressed))]):
+        for a, b in [(shift(a), shift(b)) for a, b in spans] if spans is not None else [(0, len(compressed))]:
             supervised |= (starts >= a) & (starts < b)
         for a, b in vid_patches[1]:  # video timestamps are part of the vision span
             vision |= (starts >= a) & (starts < b)
@@ -200,8 +234,12 @@ class Preprocessor:
                 spans.append((len(head), len(turn.rstrip())))
         return spans
 
-    def _expand_videos(self, text: str, videos: list[Any], fps: list[float | None],
-                       ) -> tuple[str, list[int], tuple[list[int], list], Any]:
+    def _expand_videos(
+        self,
+        text: str,
+        videos: list[Any],
+        fps: list[float | None],
+    ) -> tuple[str, list[int], tuple[list[int], list], Any]:
         """Replace each video placeholder by the processor's own expansion (Qwen3 adds timestamps), pad runs of one."""
         if not videos:
             return text, [], ([], []), lambda p: p
@@ -217,8 +255,10 @@ class Preprocessor:
             per_t = self.processor.video_processor.get_num_of_video_patches(tps, height, width, {})
             grid_t = -(-frames // tps)
             n = per_t * grid_t
-            fake = {"video_grid_thw": torch.tensor([[grid_t, per_t, 1]]), "video_metadata": [VideoMetadata(
-                **_video_metadata(frames, rate), width=width, height=height)]}
+            fake = {
+                "video_grid_thw": torch.tensor([[grid_t, per_t, 1]]),
+                "video_metadata": [VideoMetadata(**_video_metadata(frames, rate), width=width, height=height)],
+            }
             repl = self.processor.replace_video_token(fake, 0)
             runs += [len(r) // len(self.video_token) for r in re.findall(f"(?:{re.escape(self.video_token)})+", repl)]
             repl = re.sub(f"(?:{re.escape(self.video_token)})+", self.video_token.replace("\\", r"\\"), repl)
@@ -238,14 +278,18 @@ class Preprocessor:
         if limit is None or total <= limit:
             return total
         if self.on_overlong == "error":
-            raise OverlongError(f"sample {index} has {total:,} tokens > max_length={limit}; raise max_length or set "
-                             "on_overlong='truncate_text' (or 'drop')")
+            raise OverlongError(
+                f"sample {index} has {total:,} tokens > max_length={limit}; raise max_length or set "
+                "on_overlong='truncate_text' (or 'drop')"
+            )
         if self.on_overlong == "drop":
             raise SampleError("overlong", f"{total:,} tokens > max_length={limit} (on_overlong='drop')")
         vision_end = int(ends[np.flatnonzero(vision)[-1]]) if vision.any() else 0
         if vision_end > limit:
-            raise SampleError("overlong_vision", f"its vision tokens end at {vision_end:,} > max_length={limit}; "
-                                                 "truncate_text never cuts an image")
+            raise SampleError(
+                "overlong_vision",
+                f"its vision tokens end at {vision_end:,} > max_length={limit}; truncate_text never cuts an image",
+            )
         if not supervised[ends <= limit].any():
             raise SampleError("overlong", f"nothing supervised within the first max_length={limit} tokens")
         return limit
@@ -259,8 +303,13 @@ class Preprocessor:
             raise SampleError("bad_aspect_ratio", str(err)) from None
 
     # ------------------------------------------------------------------------------------------------ samples
-    def process(self, row: Mapping[str, Any], index: Any = None, *, planned_tokens: int | None = None,
-                ) -> dict[str, Any]:
+    def process(
+        self,
+        row: Mapping[str, Any],
+        index: Any = None,
+        *,
+        planned_tokens: int | None = None,
+    ) -> dict[str, Any]:
         """Full processing: decode pixels, run the processor, build labels, truncate, check the planned length.
 
         Args:
@@ -279,8 +328,18 @@ class Preprocessor:
         videos = [self.frames.load_video(ref) for ref in prep.videos] or None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            kwargs = {"videos_kwargs": {"do_sample_frames": False, "video_metadata": [
-                _video_metadata(len(v), rate) for v, rate in zip(videos, prep.fps, strict=True)]}} if videos else {}
+            kwargs = (
+                {
+                    "videos_kwargs": {
+                        "do_sample_frames": False,
+                        "video_metadata": [
+                            _video_metadata(len(v), rate) for v, rate in zip(videos, prep.fps, strict=True)
+                        ],
+                    }
+                }
+                if videos
+                else {}
+            )
             out = self.processor(text=[prep.text], images=images, videos=videos, return_tensors="pt", **kwargs)
         ids = out["input_ids"][0].long()
         expected = torch.from_numpy(np.repeat(prep.ids, prep.repeats))
@@ -291,7 +350,8 @@ class Preprocessor:
             raise SampleError("length_mismatch", f"processed {n:,} tokens, planned {planned_tokens:,}")
         supervised = torch.from_numpy(np.repeat(prep.supervised, prep.repeats))
         sample: dict[str, Any] = {
-            "input_ids": ids[:n], "labels": ids.masked_fill(~supervised, IGNORE_INDEX)[:n],
+            "input_ids": ids[:n],
+            "labels": ids.masked_fill(~supervised, IGNORE_INDEX)[:n],
             "attention_mask": torch.ones(n, dtype=torch.long),
             "mm_token_type_ids": out["mm_token_type_ids"][0, :n].long(),
         }

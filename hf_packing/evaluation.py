@@ -124,8 +124,7 @@ def token_level_evaluation(trainer: Any) -> Any:
         state.add(batch_sums(model, inputs, loss, outputs))
         return (loss, outputs) if return_outputs else loss
 
-    def evaluation_loop(dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):  # fmt: skip
+    def evaluation_loop(dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
         loss_only = prediction_loss_only if prediction_loss_only is not None else trainer.args.prediction_loss_only
         state.start(bool(loss_only))
         packs = packed_dataset(dataloader)
@@ -133,11 +132,18 @@ def token_level_evaluation(trainer: Any) -> Any:
             trainer.gather_function = partial(_gather_rows, trainer.accelerator)
             if packs.cfg.leftovers == "drop" and trainer.accelerator.num_processes > 1 and not state.warned:
                 state.warned = True
-                logger.warning("the eval set was packed with leftovers='drop': its last packs (fewer than world_size) "
-                               "are not evaluated; pass leftovers='spread' to pack_dataset for eval sets")  # fmt: skip
+                logger.warning(
+                    "the eval set was packed with leftovers='drop': its last packs (fewer than world_size) "
+                    "are not evaluated; pass leftovers='spread' to pack_dataset for eval sets"
+                )
         try:
-            output = original_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
-                                   ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)  # fmt: skip
+            output = original_loop(
+                dataloader,
+                description,
+                prediction_loss_only=prediction_loss_only,
+                ignore_keys=ignore_keys,
+                metric_key_prefix=metric_key_prefix,
+            )
         finally:
             state.active = False
         if own_loss():

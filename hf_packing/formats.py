@@ -28,8 +28,16 @@ from .images import SampleError
 if TYPE_CHECKING:
     from .stream import PackStats
 
-__all__ = ["FORMATS", "NoSamplesError", "check_yield", "detect_format", "normalize_row", "per_source", "row_fps",
-           "source_formats"]
+__all__ = [
+    "FORMATS",
+    "NoSamplesError",
+    "check_yield",
+    "detect_format",
+    "normalize_row",
+    "per_source",
+    "row_fps",
+    "source_formats",
+]
 
 FORMATS = ("auto", "messages", "llava")
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -52,8 +60,10 @@ def per_source(value: Any, names: Sequence[str], setting: str, default: Any = No
         return dict.fromkeys(keys, default if value is None else value)
     unknown = set(value) - set(keys)
     if unknown:
-        raise ValueError(f"{setting} names {sorted(map(str, unknown))} but the sources are {list(names)}; a single "
-                         f"dataset takes one value, a {{name: dataset}} mix one per name")
+        raise ValueError(
+            f"{setting} names {sorted(map(str, unknown))} but the sources are {list(names)}; a single "
+            f"dataset takes one value, a {{name: dataset}} mix one per name"
+        )
     return {k: default if value.get(k) is None else value[k] for k in keys}
 
 
@@ -64,8 +74,10 @@ def detect_format(columns: Sequence[str] | None, name: str | None = None) -> str
     has = ("messages" in columns, "conversations" in columns)
     if not any(has):
         who = "the dataset" if name is None else f"source {name!r}"
-        raise ValueError(f"{who} has neither a 'messages' nor a 'conversations' column (columns: {sorted(columns)}); "
-                         "see the README's 'Row formats'")
+        raise ValueError(
+            f"{who} has neither a 'messages' nor a 'conversations' column (columns: {sorted(columns)}); "
+            "see the README's 'Row formats'"
+        )
     return "auto" if all(has) else "messages" if has[0] else "llava"
 
 
@@ -76,8 +88,9 @@ def source_formats(ds: Any, row_format: Any = "auto") -> dict[str | None, str]:
     for name, fmt in given.items():
         if fmt not in FORMATS:
             raise ValueError(f"row_format must be one of {FORMATS}, got {fmt!r} for {name or 'the dataset'}")
-    return {n: f if f != "auto" else detect_format(getattr(parts[n], "column_names", None), n)
-            for n, f in given.items()}
+    return {
+        n: f if f != "auto" else detect_format(getattr(parts[n], "column_names", None), n) for n, f in given.items()
+    }
 
 
 # ------------------------------------------------------------------------------------------------ rows
@@ -122,8 +135,12 @@ def _split_tags(text: str) -> list[dict[str, Any]]:
     return parts
 
 
-def normalize_row(row: Mapping[str, Any], index: Any = None, *, row_format: str = "auto",
-                  ) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
+def normalize_row(
+    row: Mapping[str, Any],
+    index: Any = None,
+    *,
+    row_format: str = "auto",
+) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
     """A row of either format → `(messages, images, videos)` with every content a list of typed parts.
 
     Args:
@@ -178,8 +195,10 @@ def normalize_row(row: Mapping[str, Any], index: Any = None, *, row_format: str 
         raise SampleError("empty_conversation", "the conversation is empty")
     tags = Counter(p["type"] for m in messages for p in m["content"])
     if (tags["image"], tags["video"]) != (len(images), len(videos)):
-        raise SampleError("placeholder_mismatch", f"{tags['image']} image / {tags['video']} video tags but "
-                                                  f"{len(images)} images / {len(videos)} videos")
+        raise SampleError(
+            "placeholder_mismatch",
+            f"{tags['image']} image / {tags['video']} video tags but {len(images)} images / {len(videos)} videos",
+        )
     return messages, images, videos
 
 
@@ -191,9 +210,11 @@ def row_fps(row: Mapping[str, Any], num_videos: int, default: float | None = Non
     if len(rates) != num_videos or not all(r is None or (isinstance(r, (int, float)) and r > 0) for r in rates):
         raise SampleError("bad_row", f"fps must be a positive number or one per video ({num_videos}), got {value!r}")
     if None in rates:
-        logger.warning_once("video frames without fps: the processor assumes 24 fps (Qwen2.5-VL second_per_grid_ts, "
-                            "Qwen3-VL timestamps), wrong for frames taken seconds apart; give rows an 'fps' or pass "
-                            "fps=")
+        logger.warning_once(
+            "video frames without fps: the processor assumes 24 fps (Qwen2.5-VL second_per_grid_ts, "
+            "Qwen3-VL timestamps), wrong for frames taken seconds apart; give rows an 'fps' or pass "
+            "fps="
+        )
     return [None if r is None else float(r) for r in rates]
 
 
@@ -214,9 +235,13 @@ def check_yield(stats: PackStats, *, groups: int, world: int) -> None:
         why = ", ".join(f"{n} {reason}" for reason, n in skips.most_common(3)) or "it is empty"
         failed.append(f"{'the dataset' if source is None else f'source {source!r}'} yielded 0 of {rows} rows: {why}")
     if failed or not sum(stats.kept.values()):
-        raise NoSamplesError("; ".join(failed or ["no source yielded a sample"]) + ". Check each source's row format, "
-                             "media_root / video_root and the README's 'Row formats' (stats() counts every skip)")
+        raise NoSamplesError(
+            "; ".join(failed or ["no source yielded a sample"]) + ". Check each source's row format, "
+            "media_root / video_root and the README's 'Row formats' (stats() counts every skip)"
+        )
     if not groups:
         packs = stats.planned_packs
-        raise NoSamplesError(f"{packs} pack{'s' * (packs != 1)} planned, none for any of world_size={world} ranks "
-                             "(a step needs one pack per rank): add data or lower max_length")
+        raise NoSamplesError(
+            f"{packs} pack{'s' * (packs != 1)} planned, none for any of world_size={world} ranks "
+            "(a step needs one pack per rank): add data or lower max_length"
+        )

@@ -50,8 +50,9 @@ class ImageLoader:
         max_image_pixels (`int`, defaults to 89,478,485): larger images (by header) raise `"image_too_large"`.
     """
 
-    def __init__(self, *, image_root: str | os.PathLike | None = None,
-                 max_image_pixels: int = MAX_IMAGE_PIXELS) -> None:
+    def __init__(
+        self, *, image_root: str | os.PathLike | None = None, max_image_pixels: int = MAX_IMAGE_PIXELS
+    ) -> None:
         self.image_root = Path(image_root).resolve() if image_root is not None else None
         self.max_image_pixels = max_image_pixels
 
@@ -108,8 +109,9 @@ class ImageLoader:
             raise SampleError("empty_image", f"image is {width}x{height}")
         if width * height > self.max_image_pixels:
             image.close()
-            raise SampleError("image_too_large",
-                              f"image is {width}x{height} > max_image_pixels={self.max_image_pixels:,}")
+            raise SampleError(
+                "image_too_large", f"image is {width}x{height} > max_image_pixels={self.max_image_pixels:,}"
+            )
         return image
 
     def size(self, ref: Any) -> tuple[int, int]:
@@ -155,10 +157,14 @@ class ImageLoader:
             path = self.resolve(ref)
             if not path.exists():
                 raise SampleError("missing_file", f"video file {str(path)!r} not found")
-            raise SampleError("unsupported_video", f"video file {str(path)!r}: video files are not decoded yet; pass "
-                                                   "pre-sampled frames (a list of images or a (T, H, W, C) array)")
-        raise SampleError("unsupported_video", "videos must be pre-sampled frames: a (T, H, W, C) array or a list of "
-                                               "images")
+            raise SampleError(
+                "unsupported_video",
+                f"video file {str(path)!r}: video files are not decoded yet; pass "
+                "pre-sampled frames (a list of images or a (T, H, W, C) array)",
+            )
+        raise SampleError(
+            "unsupported_video", "videos must be pre-sampled frames: a (T, H, W, C) array or a list of images"
+        )
 
     def load_video(self, ref: Any) -> np.ndarray:
         """The frames as one `(T, H, W, C)` uint8 array."""

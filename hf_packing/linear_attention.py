@@ -23,7 +23,7 @@ against 4e-8 with the boundaries. Two backends, one signature per op:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -78,8 +78,9 @@ def _cu_seqlens_int64(seqs: PackedSequences, device: torch.device) -> torch.Tens
 # ---------------------------------------------------------------------------------------------- causal conv1d
 
 
-def reference_causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSequences, *,
-                            torch_fn: Callable) -> torch.Tensor:
+def reference_causal_conv1d(
+    x, weight, bias, activation: str | None, seqs: PackedSequences, *, torch_fn: Callable
+) -> torch.Tensor:
     """``torch_fn`` (transformers' ``causal_conv1d_fn`` fallback) on each sequence alone, concatenated.
 
     Args:
@@ -91,18 +92,25 @@ def reference_causal_conv1d(x, weight, bias, activation: str | None, seqs: Packe
     return torch.cat([torch_fn(piece, weight, bias, activation=activation) for piece in pieces], dim=-1)
 
 
-def fla_causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSequences, *,
-                      torch_fn: Callable) -> torch.Tensor:
+def fla_causal_conv1d(
+    x, weight, bias, activation: str | None, seqs: PackedSequences, *, torch_fn: Callable
+) -> torch.Tensor:
     """FLA's varlen ``causal_conv1d`` on ``(1, T, C)`` (x arrives as transformers' ``(1, C, T)`` transpose view,
     so this is no copy); same arguments and result as `reference_causal_conv1d`."""
     ops = _compat.fla_linear_ops()
-    y, _ = ops.causal_conv1d(x.transpose(1, 2).contiguous(), weight, bias, activation=activation,
-                             cu_seqlens=_cu_seqlens_int64(seqs, x.device))
+    y, _ = ops.causal_conv1d(
+        x.transpose(1, 2).contiguous(),
+        weight,
+        bias,
+        activation=activation,
+        cu_seqlens=_cu_seqlens_int64(seqs, x.device),
+    )
     return y.transpose(1, 2)
 
 
-def causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSequences, *, backend: str = "auto",
-                  torch_fn: Callable) -> torch.Tensor:
+def causal_conv1d(
+    x, weight, bias, activation: str | None, seqs: PackedSequences, *, backend: str = "auto", torch_fn: Callable
+) -> torch.Tensor:
     """Depthwise causal conv1d over a flat row that never reads across a boundary (shapes as in the reference)."""
     fn = fla_causal_conv1d if resolve_linear_backend(backend, x) == "fla" else reference_causal_conv1d
     return fn(x, weight, bias, activation, seqs, torch_fn=torch_fn)
@@ -111,8 +119,9 @@ def causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSequences
 # -------------------------------------------------------------------------------------------- gated delta rule
 
 
-def reference_gated_delta_rule(q, k, v, g, beta, seqs: PackedSequences, *, use_qk_l2norm: bool,
-                               torch_fn: Callable) -> torch.Tensor:
+def reference_gated_delta_rule(
+    q, k, v, g, beta, seqs: PackedSequences, *, use_qk_l2norm: bool, torch_fn: Callable
+) -> torch.Tensor:
     """``torch_fn`` (transformers' ``torch_chunk_gated_delta_rule``) on each sequence alone, from a zero state.
 
     Args:
@@ -125,28 +134,46 @@ def reference_gated_delta_rule(q, k, v, g, beta, seqs: PackedSequences, *, use_q
     """
     outs = []
     for qs, ks, vs, gs, bs in zip(*(t.split(_seqlens(seqs), dim=1) for t in (q, k, v, g, beta))):
-        out, _ = torch_fn(qs, ks, vs, g=gs, beta=bs, initial_state=None, output_final_state=False,
-                          use_qk_l2norm_in_kernel=use_qk_l2norm)
+        out, _ = torch_fn(
+            qs,
+            ks,
+            vs,
+            g=gs,
+            beta=bs,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+        )
         outs.append(out)
     return torch.cat(outs, dim=1)
 
 
-def fla_gated_delta_rule(q, k, v, g, beta, seqs: PackedSequences, *, use_qk_l2norm: bool,
-                         torch_fn: Callable) -> torch.Tensor:
+def fla_gated_delta_rule(
+    q, k, v, g, beta, seqs: PackedSequences, *, use_qk_l2norm: bool, torch_fn: Callable
+) -> torch.Tensor:
     """FLA's ``chunk_gated_delta_rule`` with ``cu_seqlens``: q/k/v in one dtype (the autocast dtype under
     autocast), contiguous; g and beta as given (g is fp32 in transformers' layer)."""
     ops = _compat.fla_linear_ops()
     dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype
     q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
     out, _ = ops.chunk_gated_delta_rule(
-        q, k, v, g.contiguous(), beta.contiguous(), scale=q.shape[-1] ** -0.5, initial_state=None,
-        output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=_cu_seqlens_int64(seqs, q.device),
+        q,
+        k,
+        v,
+        g.contiguous(),
+        beta.contiguous(),
+        scale=q.shape[-1] ** -0.5,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=_cu_seqlens_int64(seqs, q.device),
     )
     return out
 
 
-def gated_delta_rule(q, k, v, g, beta, seqs: PackedSequences, *, use_qk_l2norm: bool, backend: str = "auto",
-                     torch_fn: Callable) -> torch.Tensor:
+def gated_delta_rule(
+    q, k, v, g, beta, seqs: PackedSequences, *, use_qk_l2norm: bool, backend: str = "auto", torch_fn: Callable
+) -> torch.Tensor:
     """The gated delta rule over a flat row, its state restarting from 0 at every boundary (see the reference)."""
     fn = fla_gated_delta_rule if resolve_linear_backend(backend, q) == "fla" else reference_gated_delta_rule
     return fn(q, k, v, g, beta, seqs, use_qk_l2norm=use_qk_l2norm, torch_fn=torch_fn)

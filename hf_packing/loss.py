@@ -13,8 +13,8 @@ difference between ~10 GB of fp32 logits and ~1 GB for one chunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +42,13 @@ def shift_labels_per_sequence(labels: torch.Tensor, cu_seqlens: torch.Tensor) ->
     return targets.index_fill(0, ends, IGNORE_INDEX)
 
 
-def _chunk_ce_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
-                  correct: dict[int, torch.Tensor], chunk: int) -> torch.Tensor:
+def _chunk_ce_sum(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    correct: dict[int, torch.Tensor],
+    chunk: int,
+) -> torch.Tensor:
     logits = head(hidden).float()
     targets = targets.to(logits.device)  # device_map: the head may live on another device than the last layer
     if chunk not in correct:  # checkpointing recomputes this chunk in backward; count it once
@@ -75,8 +80,13 @@ def liger_can_read_weight(head: torch.nn.Module) -> bool:
     zero-size outside the module's forward) or an FSDP2 shard (a DTensor): the kernel would read a shard.
     """
     weight = getattr(head, "weight", None)
-    return (type(head) is torch.nn.Linear and weight is not None and weight.numel() > 0
-            and not hasattr(weight, "ds_id") and type(weight) in (torch.Tensor, torch.nn.Parameter))
+    return (
+        type(head) is torch.nn.Linear
+        and weight is not None
+        and weight.numel() > 0
+        and not hasattr(weight, "ds_id")
+        and type(weight) in (torch.Tensor, torch.nn.Parameter)
+    )
 
 
 def linear_cross_entropy_sum(
@@ -138,11 +148,14 @@ def linear_cross_entropy_sum(
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> CrossEntropySum:
     """`linear_cross_entropy_sum` for logits that are already there: ``(T, V)`` logits, ``(T,)`` targets."""
-    return linear_cross_entropy_sum(logits, torch.nn.Identity(), targets, chunk_size=logits.shape[0] or 1,
-                                    use_liger=False)
+    return linear_cross_entropy_sum(
+        logits, torch.nn.Identity(), targets, chunk_size=logits.shape[0] or 1, use_liger=False
+    )
 
 
-def reduce_loss(loss_sum: torch.Tensor, num_supervised: int, num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
+def reduce_loss(
+    loss_sum: torch.Tensor, num_supervised: int, num_items_in_batch: int | torch.Tensor | None
+) -> torch.Tensor:
     """``sum / num_items_in_batch`` when the Trainer gives the count (token-level averaging across micro-batches
     and ranks), else the mean over this batch's supervised tokens. A count of 0 gives 0, never NaN."""
     if num_items_in_batch is not None:

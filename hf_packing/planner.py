@@ -81,8 +81,11 @@ def _as_int_array(name: str, values: Any, n: int | None = None) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"`{name}` must be a 1-D sequence of ints, got shape {arr.shape}.")
-    if arr.size and arr.dtype.kind not in "iu" and not (
-            arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr))):
+    if (
+        arr.size
+        and arr.dtype.kind not in "iu"
+        and not (arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)))
+    ):
         raise TypeError(f"`{name}` must contain ints, got dtype {arr.dtype}.")
     arr = arr.astype(np.int64, copy=False)
     if n is not None and arr.shape[0] != n:
@@ -172,27 +175,42 @@ class StreamingPlanner:
             keep their samples). Defaults to `buffer_size // 4`, which bounds the extra work.
     """
 
-    def __init__(self, *, max_length: int, strategy: str = "bfd", max_images: int | None = None,
-                 max_vision_patches: int | None = None, buffer_size: int | None = None,
-                 max_open_bins: int | None = None, close_threshold: int | None = None, repack_windows: int = 2,
-                 repack_budget: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_length: int,
+        strategy: str = "bfd",
+        max_images: int | None = None,
+        max_vision_patches: int | None = None,
+        buffer_size: int | None = None,
+        max_open_bins: int | None = None,
+        close_threshold: int | None = None,
+        repack_windows: int = 2,
+        repack_budget: int | None = None,
+    ) -> None:
         if strategy not in STRATEGIES:
             valid = ", ".join(map(repr, STRATEGIES))
             raise ValueError(f"Unknown `strategy`={strategy!r}; valid strategies are {valid}.")
         self.strategy = strategy
         self.max_length: int = _check_int("max_length", max_length, minimum=1)
         self.max_images: int | None = _check_int("max_images", max_images, minimum=0, allow_none=True)
-        self.max_vision_patches: int | None = _check_int("max_vision_patches", max_vision_patches, minimum=0,
-                                                         allow_none=True)
+        self.max_vision_patches: int | None = _check_int(
+            "max_vision_patches", max_vision_patches, minimum=0, allow_none=True
+        )
         self.buffer_size: int | None = _check_int("buffer_size", buffer_size, minimum=1, allow_none=True)
         self.max_open_bins: int | None = _check_int(
-            "max_open_bins", buffer_size if max_open_bins is None else max_open_bins, minimum=0, allow_none=True)
+            "max_open_bins", buffer_size if max_open_bins is None else max_open_bins, minimum=0, allow_none=True
+        )
         self.close_threshold: int = _check_int(
-            "close_threshold", self.max_length // 200 if close_threshold is None else close_threshold, minimum=0)
+            "close_threshold", self.max_length // 200 if close_threshold is None else close_threshold, minimum=0
+        )
         self.repack_windows: int = _check_int("repack_windows", repack_windows, minimum=0)
         self.repack_budget: int | None = _check_int(
-            "repack_budget", buffer_size // 4 if repack_budget is None and buffer_size else repack_budget,
-            minimum=0, allow_none=True)
+            "repack_budget",
+            buffer_size // 4 if repack_budget is None and buffer_size else repack_budget,
+            minimum=0,
+            allow_none=True,
+        )
         self._media = self.max_images is not None or self.max_vision_patches is not None
         self._mi = _UNLIMITED if self.max_images is None else self.max_images
         self._mp = _UNLIMITED if self.max_vision_patches is None else self.max_vision_patches
@@ -207,8 +225,17 @@ class StreamingPlanner:
         self._min_media: tuple[int, int] | None = None
 
     def _config(self) -> dict[str, Any]:
-        keys = ("max_length", "strategy", "max_images", "max_vision_patches", "buffer_size", "max_open_bins",
-                "close_threshold", "repack_windows", "repack_budget")
+        keys = (
+            "max_length",
+            "strategy",
+            "max_images",
+            "max_vision_patches",
+            "buffer_size",
+            "max_open_bins",
+            "close_threshold",
+            "repack_windows",
+            "repack_budget",
+        )
         return {key: getattr(self, key) for key in keys}
 
     def state_dict(self) -> dict[str, Any]:
@@ -217,8 +244,10 @@ class StreamingPlanner:
         return {
             "version": _STATE_VERSION,
             "config": self._config(),
-            "open_bins": [[bid, list(b.items), list(b.lengths), list(b.images), list(b.patches), b.born]
-                          for bid, b in self._open.items()],
+            "open_bins": [
+                [bid, list(b.items), list(b.lengths), list(b.images), list(b.patches), b.born]
+                for bid, b in self._open.items()
+            ],
             "pending": dict(zip(("indices", "lengths", "images", "patches"), map(list, self._pending))),
             "next_bin_id": self._next_id,
             "min_length_seen": self._min_len,
@@ -239,15 +268,20 @@ class StreamingPlanner:
             raise ValueError(f"Unsupported planner state version {state.get('version')!r}; expected {_STATE_VERSION}.")
         for key, value in self._config().items():
             if state["config"].get(key) != value:
-                raise ValueError(f"Planner state was saved with `{key}`={state['config'].get(key)!r} but this planner "
-                                 f"has `{key}`={value!r}; construct the planner with the same `{key}` to resume.")
+                raise ValueError(
+                    f"Planner state was saved with `{key}`={state['config'].get(key)!r} but this planner "
+                    f"has `{key}`={value!r}; construct the planner with the same `{key}` to resume."
+                )
         self._reset()
         for bid, *cols, born in state["open_bins"]:
             items, lens, imgs, pats = ([int(x) for x in col] for col in cols)
-            self._open[int(bid)] = Bin(items, lens, imgs, pats, sum(lens), sum(imgs), sum(pats),
-                                       None if born is None else int(born))
-        self._pending = tuple([int(x) for x in state["pending"][k]]  # type: ignore[assignment]
-                              for k in ("indices", "lengths", "images", "patches"))
+            self._open[int(bid)] = Bin(
+                items, lens, imgs, pats, sum(lens), sum(imgs), sum(pats), None if born is None else int(born)
+            )
+        self._pending = tuple(
+            [int(x) for x in state["pending"][k]]  # type: ignore[assignment]
+            for k in ("indices", "lengths", "images", "patches")
+        )
         self._next_id = int(state["next_bin_id"])
         self._min_len = None if state["min_length_seen"] is None else int(state["min_length_seen"])
         self._min_media = None if state["min_media_seen"] is None else tuple(map(int, state["min_media_seen"]))
@@ -279,8 +313,14 @@ class StreamingPlanner:
             raise ValueError(f"Sample {index}: `length`, `images` and `patches` must be >= 0, got {sample[1:]}.")
         return self._push(*([x] for x in sample))
 
-    def extend(self, lengths: IntArray, *, indices: IntArray | None = None, images: IntArray | None = None,
-               patches: IntArray | None = None) -> list[list[int]]:
+    def extend(
+        self,
+        lengths: IntArray,
+        *,
+        indices: IntArray | None = None,
+        images: IntArray | None = None,
+        patches: IntArray | None = None,
+    ) -> list[list[int]]:
         """Adds many samples; the same as [`~StreamingPlanner.add`] for each, but faster.
 
         Args:
@@ -304,8 +344,9 @@ class StreamingPlanner:
         media = []
         for name, values, arg in (("images", images, "max_images"), ("patches", patches, "max_vision_patches")):
             if getattr(self, arg) is not None and values is None:
-                raise ValueError(f"`{arg}` is set but no per-sample `{name}` were given; pass `{name}=` or unset "
-                                 f"`{arg}`.")
+                raise ValueError(
+                    f"`{arg}` is set but no per-sample `{name}` were given; pass `{name}=` or unset `{arg}`."
+                )
             media.append(np.zeros(n, np.int64) if values is None else _as_int_array(name, values, n))
         return self._push(idx, lens, *media)
 
@@ -322,8 +363,10 @@ class StreamingPlanner:
         self._num_dropped += int(len(keep) - keep.sum())
         columns = [idx[keep].tolist(), lens[keep].tolist()]
         if self._media:
-            columns += [col[keep].tolist() if limit is not None else [0] * len(columns[0])
-                        for col, limit in ((imgs, self.max_images), (pats, self.max_vision_patches))]
+            columns += [
+                col[keep].tolist() if limit is not None else [0] * len(columns[0])
+                for col, limit in ((imgs, self.max_images), (pats, self.max_vision_patches))
+            ]
         out: list[list[int]] = []
         start, n = 0, len(columns[0])
         while start < n:
@@ -467,8 +510,15 @@ class StreamingPlanner:
         fraction of any budget) close; over `repack_budget` re-planned samples the fullest young packs keep their
         samples (and close if nothing fits them).
         """
-        ml, ct, w, bins, media, mi, mp = self.max_length, self.close_threshold, self._num_windows, self._open, \
-            self._media, self._mi, self._mp
+        ml, ct, w, bins, media, mi, mp = (
+            self.max_length,
+            self.close_threshold,
+            self._num_windows,
+            self._open,
+            self._media,
+            self._mi,
+            self._mp,
+        )
         tok_thr = ct if self._min_len is None else max(ct, self._min_len - 1)
         img_thr = pat_thr = -1
         if self._min_media is not None:
@@ -482,10 +532,16 @@ class StreamingPlanner:
         for bid, b in bins.items():
             room = ml - b.tokens
             stuck = media and (mi - b.num_images <= img_thr or mp - b.num_patches <= pat_thr)
-            if (replan and bid not in carried and not stuck
-                    and (not media or (b.num_images * ml <= (b.tokens or 1) * mi
-                                       and b.num_patches * ml <= (b.tokens or 1) * mp))
-                    and (not too_old or too_old.isdisjoint(b.items))):
+            if (
+                replan
+                and bid not in carried
+                and not stuck
+                and (
+                    not media
+                    or (b.num_images * ml <= (b.tokens or 1) * mi and b.num_patches * ml <= (b.tokens or 1) * mp)
+                )
+                and (not too_old or too_old.isdisjoint(b.items))
+            ):
                 if room <= ct:
                     closing.append(bid)
                     continue
@@ -515,9 +571,17 @@ class StreamingPlanner:
         return packs
 
 
-def plan_packs(lengths: IntArray, *, max_length: int, strategy: str = "bfd", images: IntArray | None = None,
-               max_images: int | None = None, vision_patches: IntArray | None = None,
-               max_vision_patches: int | None = None, buffer_size: int | None = None) -> list[list[int]]:
+def plan_packs(
+    lengths: IntArray,
+    *,
+    max_length: int,
+    strategy: str = "bfd",
+    images: IntArray | None = None,
+    max_images: int | None = None,
+    vision_patches: IntArray | None = None,
+    max_vision_patches: int | None = None,
+    buffer_size: int | None = None,
+) -> list[list[int]]:
     """Groups samples into packs that respect the token, image and vision-patch budgets: a [`StreamingPlanner`]
     fed everything, then flushed, so planning here and in a data pipeline give the same packs.
 
@@ -543,8 +607,13 @@ def plan_packs(lengths: IntArray, *, max_length: int, strategy: str = "bfd", ima
     [[0, 2], [1, 3, 5], [4]]
     ```
     """
-    planner = StreamingPlanner(max_length=max_length, strategy=strategy, max_images=max_images,
-                               max_vision_patches=max_vision_patches, buffer_size=buffer_size)
+    planner = StreamingPlanner(
+        max_length=max_length,
+        strategy=strategy,
+        max_images=max_images,
+        max_vision_patches=max_vision_patches,
+        buffer_size=buffer_size,
+    )
     return planner.extend(lengths, images=images, patches=vision_patches) + planner.flush()
 
 
@@ -569,8 +638,14 @@ def padded_fill_at_batch(lengths: IntArray, batch_size: int = 8) -> float:
     return float(la.sum()) / slots
 
 
-def pack_stats(packs: Sequence[Sequence[int]], lengths: IntArray, max_length: int, images: IntArray | None = None,
-               *, batch_size: int = 8) -> dict[str, Any]:
+def pack_stats(
+    packs: Sequence[Sequence[int]],
+    lengths: IntArray,
+    max_length: int,
+    images: IntArray | None = None,
+    *,
+    batch_size: int = 8,
+) -> dict[str, Any]:
     """Summary statistics of a plan.
 
     Args:

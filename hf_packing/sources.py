@@ -78,8 +78,9 @@ class IterSource:
 
     def __init__(self, ds: Any) -> None:
         if getattr(ds, "_distributed", None) is not None:
-            raise ValueError("pass the dataset before split_dataset_by_node(): pack_dataset splits packs by rank "
-                             "itself")
+            raise ValueError(
+                "pass the dataset before split_dataset_by_node(): pack_dataset splits packs by rank itself"
+            )
         if ds.features is not None:  # images as {"bytes", "path"}: headers are read, pixels only for placed rows
             ds = ds.decode(False)
         self.ds = ds
@@ -110,8 +111,12 @@ def make_source(ds: Any, weights: Any, seed: int, stopping_strategy: str) -> tup
         if any(isinstance(p, datasets.IterableDataset) for p in parts):  # undecoded before map() hides features
             parts = [p if isinstance(p, datasets.IterableDataset) else p.to_iterable_dataset() for p in parts]
             parts = [p.decode(False) if p.features is not None else p for p in parts]
-        parts = [p.map(functools.partial(_tag, name=n)) if isinstance(p, datasets.IterableDataset)
-                 else p.add_column(SOURCE_COLUMN, [n] * len(p)) for n, p in zip(names, parts, strict=True)]
+        parts = [
+            p.map(functools.partial(_tag, name=n))
+            if isinstance(p, datasets.IterableDataset)
+            else p.add_column(SOURCE_COLUMN, [n] * len(p))
+            for n, p in zip(names, parts, strict=True)
+        ]
         probs = None
         if weights is not None:
             w = [float(weights[n]) for n in ds] if isinstance(weights, Mapping) else [float(x) for x in weights]
@@ -125,5 +130,6 @@ def make_source(ds: Any, weights: Any, seed: int, stopping_strategy: str) -> tup
         return MapSource(ds), names
     if isinstance(ds, datasets.IterableDataset):
         return IterSource(ds), names
-    raise TypeError(f"ds must be a datasets.Dataset, datasets.IterableDataset or a dict of them, got "
-                    f"{type(ds).__name__}")
+    raise TypeError(
+        f"ds must be a datasets.Dataset, datasets.IterableDataset or a dict of them, got {type(ds).__name__}"
+    )

@@ -72,8 +72,18 @@ ATTENTION_TOKENS = 65_536  # a sample of n tokens costs n + n**2 // ATTENTION_TO
 PADDED_BATCH = 8  # the baseline in stats(): the same samples in padded batches of 8, in input order
 _STATE_VERSION = 2
 _MAX_SLOTS = 65  # rows of the shared stats table: the main process + up to 64 DataLoader workers
-_PLAN_KEYS = ("max_length", "strategy", "max_images", "max_vision_patches", "buffer_size", "seed", "train_on",
-              "on_overlong", "batch_size", "stopping_strategy")  # settings a saved state must match
+_PLAN_KEYS = (
+    "max_length",
+    "strategy",
+    "max_images",
+    "max_vision_patches",
+    "buffer_size",
+    "seed",
+    "train_on",
+    "on_overlong",
+    "batch_size",
+    "stopping_strategy",
+)  # settings a saved state must match
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +115,20 @@ class PackConfig:
         """One [`Preprocessor`] per source (key `None` for a single dataset), with that source's format and roots."""
         per = {k: per_source(getattr(self, k), names, k) for k in ("media_root", "video_root", "fps")}
         fmt = per_source(self.row_format, names, "row_format", "auto")
-        return {n: Preprocessor(processor, max_length=self.max_length, media_root=per["media_root"][n],
-                                video_root=per["video_root"][n], fps=per["fps"][n], row_format=fmt[n],
-                                train_on=self.train_on, on_overlong=self.on_overlong,
-                                max_image_pixels=self.max_image_pixels) for n in fmt}
+        return {
+            n: Preprocessor(
+                processor,
+                max_length=self.max_length,
+                media_root=per["media_root"][n],
+                video_root=per["video_root"][n],
+                fps=per["fps"][n],
+                row_format=fmt[n],
+                train_on=self.train_on,
+                on_overlong=self.on_overlong,
+                max_image_pixels=self.max_image_pixels,
+            )
+            for n in fmt
+        }
 
 
 @dataclasses.dataclass
@@ -155,8 +175,10 @@ class PackStats:
     def _layout(self) -> list[tuple[str, Sequence[Any] | None]]:
         """Each counter and, for a `Counter`, its keys in a fixed order (`None` for an `int`)."""
         keys = {"planning_skips": [(s, r) for s in self.sources for r in REASONS], "processing_skips": REASONS}
-        return [(f.name, keys.get(f.name, self.sources) if isinstance(getattr(self, f.name), Counter) else None)
-                for f in dataclasses.fields(self)[1:]]  # [0] is `sources`, the layout itself
+        return [
+            (f.name, keys.get(f.name, self.sources) if isinstance(getattr(self, f.name), Counter) else None)
+            for f in dataclasses.fields(self)[1:]
+        ]  # [0] is `sources`, the layout itself
 
     def to_row(self) -> list[int]:
         row = []
@@ -195,8 +217,13 @@ class _Replica:
         self.worker, self.workers = worker, workers
         self.preprocessors = cfg.preprocessors(dataset.processor, dataset._names)
         self.pad_id = next(iter(self.preprocessors.values())).tokenizer.pad_token_id or 0
-        self.planner = StreamingPlanner(max_length=cfg.max_length, strategy=cfg.strategy, max_images=cfg.max_images,
-                                        max_vision_patches=cfg.max_vision_patches, buffer_size=cfg.buffer_size)
+        self.planner = StreamingPlanner(
+            max_length=cfg.max_length,
+            strategy=cfg.strategy,
+            max_images=cfg.max_images,
+            max_vision_patches=cfg.max_vision_patches,
+            buffer_size=cfg.buffer_size,
+        )
         self.held: dict[int, tuple[dict[str, Any], int | None, str | None]] = {}  # row -> (row, tokens, source)
         self.unassigned: list[list[int]] = []  # closed packs waiting for a full group of `world`
         self.next_group, self.rank_costs = 0, [0] * self.world
@@ -214,10 +241,17 @@ class _Replica:
         batch of closed packs), the rows still held and the source position of the oldest, the row where planning
         continues, the packs not yet assigned, the group count, the rank costs and the [`PackStats`] row."""
         read_from = self._oldest()
-        return {"planner": planner, "held": list(self.held), "read_from": read_from,
-                "source_state": self.source_positions[read_from], "planned_until": self.next_row,
-                "unassigned": list(self.unassigned), "next_group": self.next_group,
-                "rank_costs": list(self.rank_costs), "stats": self.stats.to_row()}
+        return {
+            "planner": planner,
+            "held": list(self.held),
+            "read_from": read_from,
+            "source_state": self.source_positions[read_from],
+            "planned_until": self.next_row,
+            "unassigned": list(self.unassigned),
+            "next_group": self.next_group,
+            "rank_costs": list(self.rank_costs),
+            "stats": self.stats.to_row(),
+        }
 
     def _restore(self, position: dict[str, Any]) -> None:
         self.planner.load_state_dict(position["planner"])
@@ -274,8 +308,10 @@ class _Replica:
             else:  # planned before, failing now on resume: processing reports it
                 self.held[index] = (row, None, source)
             return None
-        for reason, value, name in (("too_many_images", meta.num_images, "max_images"),
-                                    ("too_many_vision_patches", meta.vision_patches, "max_vision_patches")):
+        for reason, value, name in (
+            ("too_many_images", meta.num_images, "max_images"),
+            ("too_many_vision_patches", meta.vision_patches, "max_vision_patches"),
+        ):
             limit = getattr(self.cfg, name)
             if limit is not None and value > limit:
                 if count:
@@ -294,11 +330,21 @@ class _Replica:
         known = isinstance(err, SampleError)
         reason = err.reason if known else "unexpected_error"
         counter = self.stats.planning_skips if planning else self.stats.processing_skips
-        counter.record(reason, index, str(err) if known else f"{type(err).__name__}: {err}",
-                       key=(source, reason) if planning else reason, exc_info=None if known else err)
+        counter.record(
+            reason,
+            index,
+            str(err) if known else f"{type(err).__name__}: {err}",
+            key=(source, reason) if planning else reason,
+            exc_info=None if known else err,
+        )
 
-    def _assign_groups(self, packs: list[list[int]], put: Callable[[Any], bool] | None, *, spread: bool = False,
-                       ) -> bool:
+    def _assign_groups(
+        self,
+        packs: list[list[int]],
+        put: Callable[[Any], bool] | None,
+        *,
+        spread: bool = False,
+    ) -> bool:
         """Assigns every full group of `world` closed packs, one pack per rank, and processes and `put`s this replica's.
         With `spread` (``leftovers="spread"``, at the end) the last incomplete group goes one pack per rank, in rank
         order, ranks past its end getting a 1-token filler: every pack is yielded once and ranks take equal steps."""
@@ -326,8 +372,14 @@ class _Replica:
     def _filler(self) -> dict[str, Any]:
         """A 1-token sample without targets: a pack that keeps ranks in step and adds nothing to the loss."""
         one = torch.ones(1, dtype=torch.long)
-        return {"input_ids": one * self.pad_id, "labels": one * IGNORE_INDEX, "attention_mask": one,
-                "mm_token_type_ids": one * 0, "num_tokens": 1, "index": -1}
+        return {
+            "input_ids": one * self.pad_id,
+            "labels": one * IGNORE_INDEX,
+            "attention_mask": one,
+            "mm_token_type_ids": one * 0,
+            "num_tokens": 1,
+            "index": -1,
+        }
 
     def _oldest(self) -> int:
         return next(iter(self.held), self.next_row)  # rows are held in order
@@ -355,8 +407,9 @@ class _Replica:
         for index in pack:
             row, planned, source = self.held[index]
             try:
-                sample = self.preprocessors[source].process(self.source.fetch(index) if self.source.lazy else row,
-                                                            index, planned_tokens=planned)
+                sample = self.preprocessors[source].process(
+                    self.source.fetch(index) if self.source.lazy else row, index, planned_tokens=planned
+                )
             except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
                 if self.cfg.on_error == "raise" or isinstance(err, OverlongError):
                     raise
@@ -381,9 +434,16 @@ class PackedDataset(torch.utils.data.IterableDataset):
     `torch.utils.data.DataLoader` (any `num_workers`) and torchdata's `StatefulDataLoader`.
     """
 
-    def __init__(self, ds: Any, processor: Any, cfg: PackConfig, *,
-                 weights: Mapping[str, float] | Sequence[float] | None = None, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+    def __init__(
+        self,
+        ds: Any,
+        processor: Any,
+        cfg: PackConfig,
+        *,
+        weights: Mapping[str, float] | Sequence[float] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
         super().__init__()
         if cfg.on_error not in ("skip", "raise"):
             raise ValueError(f"on_error must be 'skip' or 'raise', got {cfg.on_error!r}")
@@ -432,20 +492,32 @@ class PackedDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
         rank, world = self._rank_world()
         info = torch.utils.data.get_worker_info()
-        where = {"rank": rank, "world_size": world, "worker": info.id if info else 0,
-                 "num_workers": info.num_workers if info else 1}
+        where = {
+            "rank": rank,
+            "world_size": world,
+            "worker": info.id if info else 0,
+            "num_workers": info.num_workers if info else 1,
+        }
         start, self._next_start = self._next_start, None
         position = start.get("position") if start else None
         for key, value in where.items() if position is not None else ():
             if start[key] != value:
-                raise ValueError(f"state was saved with {key}={start[key]} but this run has {key}={value}; resume "
-                                 f"with the same {key} (DataLoader num_workers, torch.distributed world)")
+                raise ValueError(
+                    f"state was saved with {key}={start[key]} but this run has {key}={value}; resume "
+                    f"with the same {key} (DataLoader num_workers, torch.distributed world)"
+                )
         replica = _Replica(self, where["worker"], where["num_workers"], position)
         self._state = start  # now, not at the first next(): state_dict() right after iter() describes this pass
         return self._iterate(replica, position, where, in_worker=info is not None)
 
-    def _iterate(self, replica: _Replica, start: dict[str, Any] | None, where: dict[str, int], *, in_worker: bool,
-                 ) -> Iterator[list[dict[str, Any]]]:
+    def _iterate(
+        self,
+        replica: _Replica,
+        start: dict[str, Any] | None,
+        where: dict[str, int],
+        *,
+        in_worker: bool,
+    ) -> Iterator[list[dict[str, Any]]]:
         items: queue.Queue = queue.Queue(maxsize=self.cfg.prefetch)
 
         def put(item: Any) -> bool:
@@ -512,13 +584,16 @@ class PackedDataset(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a [`~PackedDataset.state_dict`]; the next iteration continues after its last yielded pack."""
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported pack_dataset state version {state.get('version')!r} (this version reads "
-                             f"{_STATE_VERSION})")
+            raise ValueError(
+                f"unsupported pack_dataset state version {state.get('version')!r} (this version reads {_STATE_VERSION})"
+            )
         ours = self._config()
         for key, value in state["config"].items():
             if ours.get(key) != value:
-                raise ValueError(f"state was saved with {key}={value!r} but this dataset has {key}={ours.get(key)!r}; "
-                                 f"pass {key}={value!r} to pack_dataset to resume")
+                raise ValueError(
+                    f"state was saved with {key}={value!r} but this dataset has {key}={ours.get(key)!r}; "
+                    f"pass {key}={value!r} to pack_dataset to resume"
+                )
         self._next_start, self._state, self._epoch = dict(state), None, int(state.get("epoch", 0))
 
     # ------------------------------------------------------------------------------------------------ stats
@@ -550,22 +625,41 @@ class PackedDataset(torch.utils.data.IterableDataset):
 
         slots = stats.padded_slots + stats.batch_rows * stats.batch_longest
         padded = stats.padded_tokens / slots if slots else 1.0
-        out = {"packs": packs, "samples": samples, "tokens": tokens,
-               "fill": tokens / (packs * self.cfg.max_length) if packs else 0.0,
-               "padded_batch_fill": padded, "padding_ratio_padded_batches": 1.0 - padded,
-               "packs_per_s": packs / elapsed, "samples_per_s": samples / elapsed,
-               "images_per_pack": stats.images / packs if packs else 0.0,
-               "skipped": by_reason(planning + stats.processing_skips), "skipped_while_planning": by_reason(planning),
-               "skipped_while_processing": by_reason(stats.processing_skips),
-               "rows_read": sum(stats.rows.values()), "planned_packs": stats.planned_packs,
-               "leftover_packs": stats.leftover_packs, "leftover_samples": stats.leftover_samples,
-               "complete": bool(stats.complete),
-               "per_source": {n: {"rows": stats.rows[n], "samples": stats.samples[n]} for n in self._names}}
+        out = {
+            "packs": packs,
+            "samples": samples,
+            "tokens": tokens,
+            "fill": tokens / (packs * self.cfg.max_length) if packs else 0.0,
+            "padded_batch_fill": padded,
+            "padding_ratio_padded_batches": 1.0 - padded,
+            "packs_per_s": packs / elapsed,
+            "samples_per_s": samples / elapsed,
+            "images_per_pack": stats.images / packs if packs else 0.0,
+            "skipped": by_reason(planning + stats.processing_skips),
+            "skipped_while_planning": by_reason(planning),
+            "skipped_while_processing": by_reason(stats.processing_skips),
+            "rows_read": sum(stats.rows.values()),
+            "planned_packs": stats.planned_packs,
+            "leftover_packs": stats.leftover_packs,
+            "leftover_samples": stats.leftover_samples,
+            "complete": bool(stats.complete),
+            "per_source": {n: {"rows": stats.rows[n], "samples": stats.samples[n]} for n in self._names},
+        }
         if log:
-            logger.info("pack_dataset rank %s: %d packs, %d samples, fill %.4f (padded batches of %d: %.4f), %.1f "
-                        "samples/s, %.2f images/pack, skipped %s, %d packs left over", self.rank, packs, samples,
-                        out["fill"], PADDED_BATCH, padded, out["samples_per_s"], out["images_per_pack"],
-                        out["skipped"] or "none", out["leftover_packs"])
+            logger.info(
+                "pack_dataset rank %s: %d packs, %d samples, fill %.4f (padded batches of %d: %.4f), %.1f "
+                "samples/s, %.2f images/pack, skipped %s, %d packs left over",
+                self.rank,
+                packs,
+                samples,
+                out["fill"],
+                PADDED_BATCH,
+                padded,
+                out["samples_per_s"],
+                out["images_per_pack"],
+                out["skipped"] or "none",
+                out["leftover_packs"],
+            )
         return out
 
     def count_packs(self, *, disable_progress: bool | None = None) -> int:
@@ -575,16 +669,22 @@ class PackedDataset(torch.utils.data.IterableDataset):
 
         replica = _Replica(self, 0, 1, None)
         disable = self.cfg.disable_progress if disable_progress is None else disable_progress
-        with tqdm(total=self._source.size, desc="hf_packing: planning", unit=" rows",
-                  disable=disable or replica.rank != 0 or not sys.stderr.isatty()) as bar:
+        with tqdm(
+            total=self._source.size,
+            desc="hf_packing: planning",
+            unit=" rows",
+            disable=disable or replica.rank != 0 or not sys.stderr.isatty(),
+        ) as bar:
             replica.run(None, progress=bar)
         self._len = replica.next_group
         return self._len
 
     def __len__(self) -> int:
         if self._len is None:
-            raise TypeError("the number of packs is unknown until planned: call count_packs() (a metadata-only pass) "
-                            "or set max_steps")
+            raise TypeError(
+                "the number of packs is unknown until planned: call count_packs() (a metadata-only pass) "
+                "or set max_steps"
+            )
         return self._len
 
 

@@ -50,9 +50,14 @@ from transformers import TrainerCallback
 PREFIX = "packing/"
 #: (substring of torch.cuda.get_device_name(), dense bf16 TFLOP/s); first match wins.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0), ("H800", 989.0),
-    ("A100", 312.0), ("A800", 312.0),
-)  # fmt: skip
+    ("H100 PCIe", 756.0),
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+)
 _DEVICE_KEYS = ("real", "sq", "patches")  # accumulated as on-device int64
 _HOST_KEYS = ("real_host", "sq_host", "slots", "images", "videos", "forwards")
 
@@ -78,7 +83,7 @@ class ModelFlops:
     linear_state: int = 0
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module) -> "ModelFlops":
+    def from_model(cls, model: torch.nn.Module) -> ModelFlops:
         config = getattr(model, "config", None)
         if hasattr(model, "get_base_model"):  # PEFT
             config = model.get_base_model().config
@@ -100,8 +105,9 @@ class ModelFlops:
                 n_text += numel * active / experts if experts and active and ".experts." in name else numel
         n_linear = list(getattr(text, "layer_types", None) or []).count("linear_attention")
         state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim if n_linear else 0
-        return cls(n_text, n_vision, text.num_hidden_layers - n_linear, heads * head_dim, vision_trainable, n_linear,
-                   state)
+        return cls(
+            n_text, n_vision, text.num_hidden_layers - n_linear, heads * head_dim, vision_trainable, n_linear, state
+        )
 
     def flops(self, *, real_tokens: float, sum_sq_lens: float, vision_patches: float) -> float:
         """Training FLOPs (forward + backward) for the given counts."""
@@ -130,8 +136,15 @@ class PackingTelemetry(TrainerCallback):
             With ``False`` each rank logs its own numbers and the reporters (rank 0) show rank 0's.
     """
 
-    def __init__(self, *, max_length: int | None = None, peak_tflops: float | None = None, dataset: Any = None,
-                 model_flops: ModelFlops | None = None, all_reduce: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        max_length: int | None = None,
+        peak_tflops: float | None = None,
+        dataset: Any = None,
+        model_flops: ModelFlops | None = None,
+        all_reduce: bool = True,
+    ) -> None:
         self.max_length, self.dataset, self.all_reduce = max_length, dataset, all_reduce
         self.peak_tflops = peak_tflops if peak_tflops is not None else default_peak_tflops()
         self.model_flops, self._handle, self._packs_per_batch = model_flops, None, 1
@@ -205,8 +218,12 @@ class PackingTelemetry(TrainerCallback):
         if reduce:
             torch.distributed.all_reduce(vec)
         v = dict(zip(_DEVICE_KEYS + _HOST_KEYS + ("has_stats", "dropped"), vec.tolist()))
-        return {"real_tokens": v["real"] + v["real_host"], "sum_sq_lens": v["sq"] + v["sq_host"],
-                "vision_patches": v["patches"], **{k: v[k] for k in _HOST_KEYS[2:] + ("has_stats", "dropped")}}  # fmt: skip
+        return {
+            "real_tokens": v["real"] + v["real_host"],
+            "sum_sq_lens": v["sq"] + v["sq_host"],
+            "vision_patches": v["patches"],
+            **{k: v[k] for k in _HOST_KEYS[2:] + ("has_stats", "dropped")},
+        }
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def attach(self, model: torch.nn.Module) -> None:
@@ -253,8 +270,10 @@ class PackingTelemetry(TrainerCallback):
         seconds = max(now - self._window_start - self._excluded, 1e-9)
         steps = max(state.global_step - self._last_step, 1)
         c = self.counts(getattr(self, "_device", None))
-        new = {"tokens_per_s": c["real_tokens"] / seconds,
-               "padding_ratio": 1.0 - c["real_tokens"] / c["slots"] if c["slots"] else 0.0}  # fmt: skip
+        new = {
+            "tokens_per_s": c["real_tokens"] / seconds,
+            "padding_ratio": 1.0 - c["real_tokens"] / c["slots"] if c["slots"] else 0.0,
+        }
         if self.max_length and c["forwards"]:
             new["pack_fill"] = c["real_tokens"] / (c["forwards"] * self._packs_per_batch * self.max_length)
         for key in ("images", "videos", "vision_patches"):
@@ -262,8 +281,9 @@ class PackingTelemetry(TrainerCallback):
         if c["has_stats"]:
             new["dropped_samples"] = c["dropped"]
         if self.model_flops is not None:
-            flops = self.model_flops.flops(real_tokens=c["real_tokens"], sum_sq_lens=c["sum_sq_lens"],
-                                           vision_patches=c["vision_patches"])  # fmt: skip
+            flops = self.model_flops.flops(
+                real_tokens=c["real_tokens"], sum_sq_lens=c["sum_sq_lens"], vision_patches=c["vision_patches"]
+            )
             new["tflops_per_s_per_device"] = flops / seconds / self._world / 1e12
             if self.peak_tflops:
                 new["mfu"] = new["tflops_per_s_per_device"] / self.peak_tflops

@@ -98,8 +98,12 @@ def _reload_full_weights(model: Any, checkpoint: Path) -> None:
 
     from .patches import supported_model_types
 
-    has_full_weights = (checkpoint / "model.safetensors").exists() or (checkpoint / "model.safetensors.index.json").exists()
-    if not (isinstance(model, PreTrainedModel) and model.config.model_type in supported_model_types() and has_full_weights):
+    has_full_weights = (checkpoint / "model.safetensors").exists() or (
+        checkpoint / "model.safetensors.index.json"
+    ).exists()
+    if not (
+        isinstance(model, PreTrainedModel) and model.config.model_type in supported_model_types() and has_full_weights
+    ):
         return
     loaded = type(model).from_pretrained(checkpoint, dtype=model.dtype, attn_implementation="sdpa")
     model.load_state_dict(loaded.state_dict(), strict=True)

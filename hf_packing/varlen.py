@@ -45,7 +45,7 @@ class PackedSequences:
     seqlens: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_seqlens(cls, seqlens: list[int], device: torch.device | str | None = None) -> "PackedSequences":
+    def from_seqlens(cls, seqlens: list[int], device: torch.device | str | None = None) -> PackedSequences:
         cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(seqlens, dtype=torch.int32).cumsum(0)
         return cls(cu_seqlens=cu.to(device), max_seqlen=max(seqlens, default=0), seqlens=list(seqlens))
@@ -151,8 +151,9 @@ def _host_seqlens(seqs: PackedSequences) -> list[int]:
     return seqs.seqlens
 
 
-def reference_varlen(q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None,
-                     dropout: float = 0.0) -> torch.Tensor:
+def reference_varlen(
+    q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None, dropout: float = 0.0
+) -> torch.Tensor:
     """Exact pure-torch varlen attention: SDPA on each sequence alone. Shapes as in the module docstring."""
     if not q.dtype == k.dtype == v.dtype and not torch.is_autocast_enabled(q.device.type):
         dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
@@ -175,8 +176,9 @@ def reference_varlen(q, k, v, seqs: PackedSequences, *, causal: bool, scale: flo
     return torch.cat(outs, dim=0)
 
 
-def torch_varlen(q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None,
-                 dropout: float = 0.0) -> torch.Tensor:
+def torch_varlen(
+    q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None, dropout: float = 0.0
+) -> torch.Tensor:
     """``torch.nn.attention.varlen.varlen_attn``; handles torch releases without ``enable_gqa`` or ``scale``."""
     fn = _compat.torch_varlen_attn()
     params = _compat.torch_varlen_params()
@@ -204,12 +206,15 @@ def torch_varlen(q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, 
     return fn(q, k, v, cu, cu, seqs.max_seqlen, seqs.max_seqlen, **kwargs)
 
 
-def flash_attn(q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None,
-               dropout: float = 0.0) -> torch.Tensor:
+def flash_attn(
+    q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None, dropout: float = 0.0
+) -> torch.Tensor:
     """``flash_attn_varlen_func`` (FA3 interface if installed, else FA2); GQA is native to both."""
     module = _compat.flash_attn_varlen_module()
     cu = seqs.cu_seqlens.to(device=q.device, dtype=torch.int32)
-    kwargs = dict(softmax_scale=scale, causal=causal, window_size=(-1 if window is None else window - 1, 0 if causal else -1))
+    kwargs = dict(
+        softmax_scale=scale, causal=causal, window_size=(-1 if window is None else window - 1, 0 if causal else -1)
+    )
     if module.__name__ == "flash_attn_interface":  # FA3 has no dropout argument
         if dropout:
             raise ValueError("FA3 has no attention dropout; set attention_dropout=0")
@@ -267,8 +272,18 @@ def kernel_input_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     return next((t.dtype for t in (v, q, k) if t.dtype in KERNEL_DTYPES), None)
 
 
-def varlen_attention(q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, backend: str = "auto",
-                     window: int | None = None, dropout: float = 0.0) -> torch.Tensor:
+def varlen_attention(
+    q,
+    k,
+    v,
+    seqs: PackedSequences,
+    *,
+    causal: bool,
+    scale: float,
+    backend: str = "auto",
+    window: int | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
     """Attention over a flat stream that never crosses a sequence boundary.
 
     Args:

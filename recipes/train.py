@@ -39,7 +39,8 @@ class ModelArguments:
     rmpad: bool = field(default=True, metadata={"help": "apply hf_packing.apply_rmpad (padding-free forward)"})
     attn_backend: str = field(default="auto", metadata={"help": "auto | flash_attn | torch_varlen | reference"})
     dummy_vision: bool = field(
-        default=False, metadata={"help": "run the vision tower on text-only micro-batches (needed for FSDP / ZeRO-3 / DDP)"}
+        default=False,
+        metadata={"help": "run the vision tower on text-only micro-batches (needed for FSDP / ZeRO-3 / DDP)"},
     )
     loss_chunk_size: int | None = field(default=None, metadata={"help": "rows per linear+CE chunk"})
     use_liger: bool | None = field(default=None, metadata={"help": "force Liger fused linear CE on/off"})
@@ -49,14 +50,16 @@ class ModelArguments:
     lora_alpha: int = 128
     lora_dropout: float = 0.05
     lora_target_modules: str = field(
-        default=_LM_LINEARS, metadata={"help": "regex (full match) or comma-separated module names; default: LM linears"}
+        default=_LM_LINEARS,
+        metadata={"help": "regex (full match) or comma-separated module names; default: LM linears"},
     )
 
 
 @dataclass
 class DataArguments:
     dataset_path: list[str] = field(
-        default_factory=list, metadata={"help": "json/jsonl/parquet/arrow file(s), globs, dirs of them, or saved datasets dirs"}
+        default_factory=list,
+        metadata={"help": "json/jsonl/parquet/arrow file(s), globs, dirs of them, or saved datasets dirs"},
     )
     media_root: list[str] | None = field(
         default=None, metadata={"help": "where relative image/video paths start: one dir, or one per dataset_path"}
@@ -99,11 +102,15 @@ PARSER_TYPES = (ModelArguments, DataArguments, PackingArguments, TrainingArgumen
 
 
 #: TrainingArguments fields renamed inside the supported transformers range (new name -> old name).
-_RENAMED = {"activation_checkpointing": "gradient_checkpointing",
-            "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
+_RENAMED = {
+    "activation_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+}
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, PackingArguments, TrainingArguments]:
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[ModelArguments, DataArguments, PackingArguments, TrainingArguments]:
     """``[config.yaml] [--flag value ...]``: the YAML sets defaults, flags after it override them."""
     import yaml
 
@@ -128,8 +135,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
 def prepare_training_args(args: TrainingArguments) -> TrainingArguments:
     """Settings packed, variable-shape batches need, whatever the config says."""
     if args.per_device_train_batch_size != 1:
-        logger.warning("per_device_train_batch_size=%d overridden to 1: a pack is the batch; raise "
-                       "max_length or gradient_accumulation_steps instead", args.per_device_train_batch_size)  # fmt: skip
+        logger.warning(
+            "per_device_train_batch_size=%d overridden to 1: a pack is the batch; raise "
+            "max_length or gradient_accumulation_steps instead",
+            args.per_device_train_batch_size,
+        )
         args.per_device_train_batch_size = 1
     args.remove_unused_columns = False  # samples carry pixel_values, grids, mm_token_type_ids
     # Every rank reads its own packs (pack_dataset splits by rank); batches differ in shape, so rank 0
@@ -190,8 +200,10 @@ def hold_out(ds: Any, split: float, *, seed: int) -> tuple[Any, Any]:
         parts = ds.train_test_split(test_size=split if split < 1 else int(split), seed=seed)
         return parts["train"], parts["test"]
     if split < 1:
-        raise ValueError(f"eval_split={split} is a fraction, which a streaming dataset has no length for; "
-                         "give a number of rows (eval_split >= 1)")  # fmt: skip
+        raise ValueError(
+            f"eval_split={split} is a fraction, which a streaming dataset has no length for; "
+            "give a number of rows (eval_split >= 1)"
+        )
     return ds.skip(int(split)), ds.take(int(split))
 
 
@@ -201,8 +213,10 @@ def eval_sources(sources: dict[str, Any], data_args: DataArguments, *, seed: int
     source keeps the rest."""
     if data_args.eval_dataset_path and data_args.eval_split:
         raise ValueError("set eval_dataset_path or eval_split, not both")
-    held = {f"eval{i}:{Path(path).stem}": load_one(path, streaming=data_args.streaming)
-            for i, path in enumerate(data_args.eval_dataset_path)}  # fmt: skip
+    held = {
+        f"eval{i}:{Path(path).stem}": load_one(path, streaming=data_args.streaming)
+        for i, path in enumerate(data_args.eval_dataset_path)
+    }
     if data_args.eval_split:
         for name, ds in sources.items():
             sources[name], held[name] = hold_out(ds, data_args.eval_split, seed=seed)
@@ -214,16 +228,22 @@ def one_or_mix(sources: dict[str, Any]) -> Any:
     return next(iter(sources.values())) if len(sources) == 1 else sources
 
 
-def pack_eval(pack: Callable[..., Any], held_out: dict[str, Any], per_source: dict[str, Any], *, split: bool,
-              batch_size: int) -> Any:
+def pack_eval(
+    pack: Callable[..., Any], held_out: dict[str, Any], per_source: dict[str, Any], *, split: bool, batch_size: int
+) -> Any:
     """`pack_dataset` (``pack``) for the eval rows: every row once (a mix is not oversampled) and every pack once on
     any number of processes (``leftovers="spread"``). Rows held out (``split``) keep their source's settings; eval
     files take the settings given once for all sources."""
     if not split:
         per_source = {k: None if isinstance(v, dict) else v for k, v in per_source.items()}
     per_source = {**per_source, "row_format": per_source["row_format"] or "auto"}
-    return pack(one_or_mix(held_out), batch_size=batch_size, stopping_strategy="all_exhausted_without_replacement",
-                leftovers="spread", **per_source)  # fmt: skip
+    return pack(
+        one_or_mix(held_out),
+        batch_size=batch_size,
+        stopping_strategy="all_exhausted_without_replacement",
+        leftovers="spread",
+        **per_source,
+    )
 
 
 def load_model(model_args: ModelArguments):
@@ -234,9 +254,13 @@ def load_model(model_args: ModelArguments):
 
     config = AutoConfig.from_pretrained(model_args.model_name_or_path)
     if model_args.rmpad:
-        hf_packing.apply_rmpad(config.model_type, attn_backend=model_args.attn_backend,
-                               dummy_vision=model_args.dummy_vision, loss_chunk_size=model_args.loss_chunk_size,
-                               use_liger=model_args.use_liger)  # fmt: skip
+        hf_packing.apply_rmpad(
+            config.model_type,
+            attn_backend=model_args.attn_backend,
+            dummy_vision=model_args.dummy_vision,
+            loss_chunk_size=model_args.loss_chunk_size,
+            use_liger=model_args.use_liger,
+        )
     dtype = model_args.dtype if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
     model = AutoModelForImageTextToText.from_pretrained(
         model_args.model_name_or_path, dtype=dtype, attn_implementation=model_args.attn_implementation
@@ -248,8 +272,13 @@ def load_model(model_args: ModelArguments):
         from peft import LoraConfig, get_peft_model
 
         targets = model_args.lora_target_modules
-        lora = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
-                          target_modules=targets.split(",") if "," in targets else targets, task_type="CAUSAL_LM")  # fmt: skip
+        lora = LoraConfig(
+            r=model_args.lora_r,
+            lora_alpha=model_args.lora_alpha,
+            lora_dropout=model_args.lora_dropout,
+            target_modules=targets.split(",") if "," in targets else targets,
+            task_type="CAUSAL_LM",
+        )
         model = get_peft_model(model, lora)
         model.print_trainable_parameters()
     return model
@@ -280,27 +309,56 @@ def main(argv: list[str] | None = None) -> Trainer:
         sources[f"{i}:{Path(path).stem}"] = ds
     held_out = eval_sources(sources, data_args, seed=training_args.seed)
     if not held_out and training_args.eval_strategy != "no":
-        raise ValueError(f"eval_strategy={training_args.eval_strategy.value!r} needs eval data: set "
-                         "eval_dataset_path or eval_split")  # fmt: skip
+        raise ValueError(
+            f"eval_strategy={training_args.eval_strategy.value!r} needs eval data: set eval_dataset_path or eval_split"
+        )
     names = list(sources)
-    per_source = {"media_root": per_path(data_args.media_root, names, "media_root") or data_args.image_root,
-                  "video_root": per_path(data_args.video_root, names, "video_root"),
-                  "fps": per_path(data_args.fps, names, "fps"),
-                  "row_format": per_path(data_args.row_format, names, "row_format") or "auto"}  # fmt: skip
+    per_source = {
+        "media_root": per_path(data_args.media_root, names, "media_root") or data_args.image_root,
+        "video_root": per_path(data_args.video_root, names, "video_root"),
+        "fps": per_path(data_args.fps, names, "fps"),
+        "row_format": per_path(data_args.row_format, names, "row_format") or "auto",
+    }
     pack = partial(
-        pack_dataset, processor=processor, max_length=packing.max_length, strategy=packing.strategy,
-        max_images=packing.max_images, max_vision_patches=packing.max_vision_patches, buffer_size=packing.buffer_size,
-        seed=training_args.seed, on_overlong=packing.on_overlong, rank=training_args.process_index,
+        pack_dataset,
+        processor=processor,
+        max_length=packing.max_length,
+        strategy=packing.strategy,
+        max_images=packing.max_images,
+        max_vision_patches=packing.max_vision_patches,
+        buffer_size=packing.buffer_size,
+        seed=training_args.seed,
+        on_overlong=packing.on_overlong,
+        rank=training_args.process_index,
         world_size=training_args.world_size,
-    )  # fmt: skip
-    packs = pack(one_or_mix(sources), weights=data_args.weights, batch_size=training_args.per_device_train_batch_size,
-                 **per_source)  # fmt: skip  -- a source that yields nothing raises NoSamplesError: no model is saved
-    eval_packs = None if not held_out else pack_eval(pack, held_out, per_source, split=bool(data_args.eval_split),
-                                                     batch_size=training_args.per_device_eval_batch_size)  # fmt: skip
+    )
+    packs = pack(
+        one_or_mix(sources),
+        weights=data_args.weights,
+        batch_size=training_args.per_device_train_batch_size,
+        **per_source,
+    )  # a source that yields nothing raises NoSamplesError: no model is saved
+    eval_packs = (
+        None
+        if not held_out
+        else pack_eval(
+            pack,
+            held_out,
+            per_source,
+            split=bool(data_args.eval_split),
+            batch_size=training_args.per_device_eval_batch_size,
+        )
+    )
     model = load_model(model_args)
     collator = VisionCollator(processor, mode=packing.collator_mode, model_config=model.config)
-    trainer = Trainer(model=model, args=training_args, train_dataset=packs, eval_dataset=eval_packs,
-                      data_collator=collator, processing_class=processor)  # fmt: skip
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=packs,
+        eval_dataset=eval_packs,
+        data_collator=collator,
+        processing_class=processor,
+    )
     prepare_trainer(trainer, max_length=packing.max_length)  # keep each rank's packs; telemetry before reporters
     resume = training_args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume in ("true", "True", "last") else resume)

@@ -9,8 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
+from hf_packing.testing.tiny import MODEL_TYPES  # noqa: F401  (the families every test parametrises over)
+
 FIXTURES = Path(__file__).parent / "fixtures"
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
 def image(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -38,25 +39,56 @@ def conversations(with_video: bool = True) -> list[tuple[list[dict], list, list]
     img = {"type": "image"}
     rows = [
         ([user(txt("Hi")), bot("Hello, how can I help?")], [], []),
-        ([user(img, txt("Describe the image in detail.")), bot("A red car near a small house.")], [image(56, 84, 1)], []),
-        ([user(img, img, txt("Compare them.")), bot("The first is wider than the second one by far, and darker.")],
-         [image(112, 56, 2), image(56, 56, 3)], []),
-        ([user(txt("What is this?"), img), bot("A dog."), user(txt("And the colour?")), bot("Brown and white.")],
-         [image(84, 84, 4)], []),
+        (
+            [user(img, txt("Describe the image in detail.")), bot("A red car near a small house.")],
+            [image(56, 84, 1)],
+            [],
+        ),
+        (
+            [user(img, img, txt("Compare them.")), bot("The first is wider than the second one by far, and darker.")],
+            [image(112, 56, 2), image(56, 56, 3)],
+            [],
+        ),
+        (
+            [user(txt("What is this?"), img), bot("A dog."), user(txt("And the colour?")), bot("Brown and white.")],
+            [image(84, 84, 4)],
+            [],
+        ),
     ]
     if with_video:
-        rows.append(([user({"type": "video"}, txt("What happens?")), bot("A person walks along the beach, then the camera turns to the sea and follows the waves for a while.")], [], [video()]))
+        rows.append(
+            (
+                [
+                    user({"type": "video"}, txt("What happens?")),
+                    bot(
+                        "A person walks along the beach, then the camera turns to the sea and follows the waves "
+                        "for a while."
+                    ),
+                ],
+                [],
+                [video()],
+            )
+        )
     return rows
 
 
 def processed_batch(processor, rows=None) -> dict[str, torch.Tensor]:
-    """A padded batch straight from the processor; labels supervise text, never padding, vision or a row's first token."""
+    """A padded batch straight from the processor; labels supervise text, never padding, vision or a row's first
+    token."""
     rows = conversations() if rows is None else rows
     texts = [processor.apply_chat_template(messages, tokenize=False) for messages, _, _ in rows]
     images = [im for _, ims, _ in rows for im in ims] or None
     videos = [v for _, _, vs in rows for v in vs] or None
-    batch = dict(processor(text=texts, images=images, videos=videos, padding=True, return_tensors="pt",
-                           videos_kwargs={"do_sample_frames": False}))
+    batch = dict(
+        processor(
+            text=texts,
+            images=images,
+            videos=videos,
+            padding=True,
+            return_tensors="pt",
+            videos_kwargs={"do_sample_frames": False},
+        )
+    )
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     labels = labels.masked_fill(batch["mm_token_type_ids"] != 0, -100)
     first = batch["attention_mask"].long().argmax(dim=1)
@@ -71,8 +103,12 @@ def processed_samples(processor, rows=None) -> list[dict[str, torch.Tensor]]:
     samples = []
     for messages, images, videos in rows:
         one = processed_batch(processor, [(messages, images, videos)])
-        samples.append({k: (v[0] if k in ("input_ids", "labels", "attention_mask", "mm_token_type_ids") else v)
-                        for k, v in one.items()})
+        samples.append(
+            {
+                k: (v[0] if k in ("input_ids", "labels", "attention_mask", "mm_token_type_ids") else v)
+                for k, v in one.items()
+            }
+        )
     return samples
 
 

@@ -36,20 +36,26 @@ def _require(condition: bool, message: str) -> None:
 def check_contract(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
     """Raise `KernelContractError` for any input the real varlen kernels refuse."""
     _require(q.dtype in HALF, f"FlashAttention only support fp16 and bf16 data type (q is {q.dtype})")
-    _require(k.dtype == q.dtype and v.dtype == q.dtype, f"query and key/value must have the same dtype "
-                                                         f"({q.dtype}, {k.dtype}, {v.dtype})")
+    _require(
+        k.dtype == q.dtype and v.dtype == q.dtype,
+        f"query and key/value must have the same dtype ({q.dtype}, {k.dtype}, {v.dtype})",
+    )
     for name, t in (("q", q), ("k", k), ("v", v)):
         _require(t.dim() == 3, f"{name} must be (total, heads, head_dim), got shape {tuple(t.shape)}")
         _require(t.stride(-1) == 1, f"{name} must have contiguous last dimension")
     _require(q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] <= 256, "head_dim must match and be <= 256")
-    _require(q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1],
-             "Number of heads in key/value must divide number of heads in query")
+    _require(
+        q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1],
+        "Number of heads in key/value must divide number of heads in query",
+    )
     for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
         _require(isinstance(cu, torch.Tensor) and cu.dtype == torch.int32, f"{name} must have dtype int32")
         _require(cu.dim() == 1 and cu.is_contiguous(), f"{name} must be a contiguous 1-D tensor")
         _require(cu.device == q.device, f"{name} must be on the device of q")
-        _require(int(cu[0]) == 0 and int(cu[-1]) == total and bool((cu[1:] >= cu[:-1]).all()),
-                 f"{name} must start at 0, be non-decreasing and end at the token count {total}")
+        _require(
+            int(cu[0]) == 0 and int(cu[-1]) == total and bool((cu[1:] >= cu[:-1]).all()),
+            f"{name} must start at 0, be non-decreasing and end at the token count {total}",
+        )
     for name, value, cu in (("max_seqlen_q", max_q, cu_q), ("max_seqlen_k", max_k, cu_k)):
         _require(type(value) is int, f"{name} must be a Python int, got {type(value).__name__}")
         _require(value >= int((cu[1:] - cu[:-1]).max()), f"{name}={value} is smaller than the longest sequence")
@@ -58,15 +64,36 @@ def check_contract(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
 def _compute(q, k, v, cu, max_seqlen, causal: bool, scale: float | None, window: tuple[int, int]) -> torch.Tensor:
     left = window[0]
     seqs = varlen.PackedSequences(cu, max_seqlen)
-    out = varlen.reference_varlen(q.float(), k.float(), v.float(), seqs, causal=causal,
-                                  scale=q.shape[-1] ** -0.5 if scale is None else scale,
-                                  window=None if left < 0 else left + 1)
+    out = varlen.reference_varlen(
+        q.float(),
+        k.float(),
+        v.float(),
+        seqs,
+        causal=causal,
+        scale=q.shape[-1] ** -0.5 if scale is None else scale,
+        window=None if left < 0 else left + 1,
+    )
     return out.to(q.dtype)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     """FA2's ``flash_attn_varlen_func`` signature and checks."""
     check_contract(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _require(dropout_p == 0.0, "the stand-in has no dropout")
@@ -74,8 +101,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _compute(q, k, v, cu_seqlens_q, max_seqlen_q, causal, softmax_scale, window_size)
 
 
-def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+def varlen_attn(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
     """torch 2.15's ``torch.nn.attention.varlen.varlen_attn`` signature and checks."""
     check_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
     _require(enable_gqa or query.shape[1] == key.shape[1], "GQA inputs need enable_gqa=True")
@@ -101,9 +143,15 @@ def install_kernel(monkeypatch, name: str) -> list[bool]:
         monkeypatch.setattr(_compat, "flash_attn_varlen_module", lambda: module)
     elif name == "torch_varlen":
         monkeypatch.setattr(_compat, "torch_varlen_attn", lambda: recording(varlen_attn))
-        monkeypatch.setattr(_compat, "torch_varlen_params",
-                            lambda: frozenset(varlen_attn.__code__.co_varnames[: varlen_attn.__code__.co_argcount
-                                                                               + varlen_attn.__code__.co_kwonlyargcount]))
+        monkeypatch.setattr(
+            _compat,
+            "torch_varlen_params",
+            lambda: frozenset(
+                varlen_attn.__code__.co_varnames[
+                    : varlen_attn.__code__.co_argcount + varlen_attn.__code__.co_kwonlyargcount
+                ]
+            ),
+        )
     else:
         raise ValueError(name)
     real = varlen.backend_available
@@ -128,8 +176,10 @@ def _check_fla_cu_seqlens(cu, batch: int, total: int, device) -> list[int]:
     _require(isinstance(cu, torch.Tensor) and cu.dtype == torch.int64, "cu_seqlens must be a LongTensor (int64)")
     _require(cu.dim() == 1 and cu.is_contiguous(), "cu_seqlens must be a contiguous 1-D tensor")
     _require(cu.device == device, "cu_seqlens must be on the device of the inputs")
-    _require(int(cu[0]) == 0 and int(cu[-1]) == total and bool((cu[1:] >= cu[:-1]).all()),
-             f"cu_seqlens must start at 0, be non-decreasing and end at the token count {total}")
+    _require(
+        int(cu[0]) == 0 and int(cu[-1]) == total and bool((cu[1:] >= cu[:-1]).all()),
+        f"cu_seqlens must start at 0, be non-decreasing and end at the token count {total}",
+    )
     return (cu[1:] - cu[:-1]).tolist()
 
 
@@ -142,40 +192,77 @@ def _torch_fallback(name: str):
     return inspect.unwrap(getattr(modeling_qwen3_5, name))
 
 
-def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+def fla_chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    **kwargs,
+):
     """FLA's ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` signature and checks."""
     _require(q.dim() == 4 and k.shape == q.shape, "q and k must be [B, T, H, K] of one shape")
     _require(v.dim() == 4 and v.shape[:2] == q.shape[:2], "v must be [B, T, HV, V]")
     _require(v.shape[2] % q.shape[2] == 0, "For GVA, num_v_heads must be evenly divisible by num_heads")
-    _require(q.dtype in FLOATS and k.dtype == q.dtype and v.dtype == q.dtype,
-             f"q, k, v must share one of fp16/bf16/fp32 ({q.dtype}, {k.dtype}, {v.dtype})")
+    _require(
+        q.dtype in FLOATS and k.dtype == q.dtype and v.dtype == q.dtype,
+        f"q, k, v must share one of fp16/bf16/fp32 ({q.dtype}, {k.dtype}, {v.dtype})",
+    )
     _require(g.shape == v.shape[:3] and beta.shape == v.shape[:3], "g and beta must be [B, T, HV]")
     _require(g.is_floating_point() and beta.is_floating_point(), "g and beta must be floating point")
     _require(initial_state is None and not output_final_state, "packed training runs without recurrent states")
     _require(scale is None or scale == q.shape[-1] ** -0.5, "the stand-in computes with scale 1/sqrt(K)")
     _require(not kwargs.get("head_first", False), "head_first layout was removed; inputs are [B, T, H, ...]")
-    seqlens = [q.shape[1]] if cu_seqlens is None else _check_fla_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1], q.device)
+    seqlens = (
+        [q.shape[1]] if cu_seqlens is None else _check_fla_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1], q.device)
+    )
     fn = _torch_fallback("torch_chunk_gated_delta_rule")
-    outs = [fn(*(t.float() for t in parts[:3]), g=parts[3].float(), beta=parts[4].float(),
-               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0]
-            for parts in zip(*(t.split(seqlens, dim=1) for t in (q, k, v, g, beta)))]
+    outs = [
+        fn(
+            *(t.float() for t in parts[:3]),
+            g=parts[3].float(),
+            beta=parts[4].float(),
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        )[0]
+        for parts in zip(*(t.split(seqlens, dim=1) for t in (q, k, v, g, beta)))
+    ]
     return torch.cat(outs, dim=1).to(v.dtype), None
 
 
-def fla_causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
-                      activation=None, backend="triton", cu_seqlens=None, **kwargs):
+def fla_causal_conv1d(
+    x,
+    weight=None,
+    bias=None,
+    residual=None,
+    initial_state=None,
+    output_final_state=False,
+    activation=None,
+    backend="triton",
+    cu_seqlens=None,
+    **kwargs,
+):
     """FLA's ``fla.modules.convolution.causal_conv1d`` signature and checks."""
-    _require(x.dim() == 3 and x.dtype in FLOATS, f"x must be [B, T, D] in fp16/bf16/fp32, got {tuple(x.shape)} {x.dtype}")
+    _require(
+        x.dim() == 3 and x.dtype in FLOATS, f"x must be [B, T, D] in fp16/bf16/fp32, got {tuple(x.shape)} {x.dtype}"
+    )
     _require(weight is not None and weight.dim() == 2 and weight.shape[0] == x.shape[-1], "weight must be [D, W]")
     _require(bias is None or tuple(bias.shape) == (x.shape[-1],), "bias must be [D]")
     _require(activation in (None, "silu", "swish"), f"activation {activation!r}: only silu/swish or None")
     _require(residual is None and initial_state is None and not output_final_state, "no residual or conv states")
-    seqlens = [x.shape[1]] if cu_seqlens is None else _check_fla_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], x.device)
+    seqlens = (
+        [x.shape[1]] if cu_seqlens is None else _check_fla_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], x.device)
+    )
     fn = _torch_fallback("causal_conv1d_fn")
     w, b = weight.float(), None if bias is None else bias.float()
-    outs = [fn(piece.float().transpose(1, 2), w, b, activation=activation).transpose(1, 2)
-            for piece in x.split(seqlens, dim=1)]
+    outs = [
+        fn(piece.float().transpose(1, 2), w, b, activation=activation).transpose(1, 2)
+        for piece in x.split(seqlens, dim=1)
+    ]
     return torch.cat(outs, dim=1).to(x.dtype), None
 
 
@@ -195,10 +282,18 @@ def install_linear_kernels(monkeypatch) -> dict[str, list[torch.dtype]]:
 
         return wrapper
 
-    ops = SimpleNamespace(**{name: recording(name, fn) for name, fn in (
-        ("chunk_gated_delta_rule", fla_chunk_gated_delta_rule), ("causal_conv1d", fla_causal_conv1d))})
+    ops = SimpleNamespace(
+        **{
+            name: recording(name, fn)
+            for name, fn in (
+                ("chunk_gated_delta_rule", fla_chunk_gated_delta_rule),
+                ("causal_conv1d", fla_causal_conv1d),
+            )
+        }
+    )
     monkeypatch.setattr(_compat, "fla_linear_ops", lambda: ops)
     real = linear_attention.linear_backend_available
-    monkeypatch.setattr(linear_attention, "linear_backend_available",
-                        lambda backend, device: backend == "fla" or real(backend, device))
+    monkeypatch.setattr(
+        linear_attention, "linear_backend_available", lambda backend, device: backend == "fla" or real(backend, device)
+    )
     return calls

@@ -34,8 +34,9 @@ def main(out: str) -> None:
     model = build_tiny_model("qwen2_5_vl", processor_dir=FIXTURES / "qwen2_5_vl")
     model.model.visual.requires_grad_(False)  # text-only batches: a frozen tower, as recipes freeze it
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
-    batch = processed_batch(processor, conversations(with_video=False)[:1] if rank == 0 else
-                            [conversations(with_video=False)[0]])
+    batch = processed_batch(
+        processor, conversations(with_video=False)[:1] if rank == 0 else [conversations(with_video=False)[0]]
+    )
     losses = []
     for step in range(2):
         labels = batch["labels"].clone()

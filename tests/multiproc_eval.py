@@ -32,16 +32,24 @@ def main() -> None:
     from hf_packing import VisionCollator, pack_dataset, prepare_trainer
 
     args = TrainingArguments(
-        output_dir=config["output_dir"], use_cpu=True, per_device_eval_batch_size=1, report_to=[], seed=0,
-        remove_unused_columns=False, dataloader_num_workers=0, ddp_timeout=int(config["pg_timeout"]), disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=config["output_dir"],
+        use_cpu=True,
+        per_device_eval_batch_size=1,
+        report_to=[],
+        seed=0,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        ddp_timeout=int(config["pg_timeout"]),
+        disable_tqdm=True,
+    )
     rank, world = args.process_index, args.world_size
     assert world == 2 and torch.distributed.is_initialized(), (world, rank)
     processor = AutoProcessor.from_pretrained(config["model"])
     if config["patched"]:
         hf_packing.apply_rmpad("qwen2_5_vl")
-    model = AutoModelForImageTextToText.from_pretrained(config["model"], dtype=torch.float32,
-                                                        attn_implementation="sdpa")
+    model = AutoModelForImageTextToText.from_pretrained(
+        config["model"], dtype=torch.float32, attn_implementation="sdpa"
+    )
     model.config.use_cache = False
     collator = RecordingCollator(VisionCollator(processor, model_config=model.config))
 
@@ -54,8 +62,9 @@ def main() -> None:
     evaluated, metrics = {}, {}
     for max_length in config["lengths"]:
         ds = load_dataset("parquet", data_files=config["data"], split="train")
-        packs = pack_dataset(ds, processor, max_length=max_length, rank=rank, world_size=world, leftovers="spread",
-                             disable_progress=True)  # fmt: skip
+        packs = pack_dataset(
+            ds, processor, max_length=max_length, rank=rank, world_size=world, leftovers="spread", disable_progress=True
+        )
         prefix, collator.calls = f"eval_{max_length}", []
         result = trainer.evaluate(eval_dataset=packs, metric_key_prefix=prefix)
         evaluated[prefix] = [call["indices"] for call in collator.calls]

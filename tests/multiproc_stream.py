@@ -33,7 +33,9 @@ def write_dataset(work: Path) -> list[str]:
     from datasets import Dataset, Features, Image, List, Value
 
     rng = np.random.default_rng(0)
-    features = Features({"image": List(Image()), "conversations": List({"from": Value("string"), "value": Value("string")})})
+    features = Features(
+        {"image": List(Image()), "conversations": List({"from": Value("string"), "value": Value("string")})}
+    )
     files, n = [], 0
     for shard, size in enumerate(SHARDS):
         rows = []
@@ -44,8 +46,15 @@ def write_dataset(work: Path) -> list[str]:
             if n == 11:
                 data = data[: len(data) // 2]  # truncated JPEG: skipped while planning
             answer = "long " * 900 if n == 30 else "word " * int(rng.integers(1, 80))
-            rows.append({"image": [{"bytes": data, "path": None}], "conversations": [
-                {"from": "human", "value": "<image>\nDescribe."}, {"from": "gpt", "value": answer}]})
+            rows.append(
+                {
+                    "image": [{"bytes": data, "path": None}],
+                    "conversations": [
+                        {"from": "human", "value": "<image>\nDescribe."},
+                        {"from": "gpt", "value": answer},
+                    ],
+                }
+            )
             n += 1
         path = work / f"shard-{shard}.parquet"
         Dataset.from_list(rows, features=features).to_parquet(str(path))
@@ -76,7 +85,13 @@ def main() -> None:
     import pyarrow.parquet as pq
 
     shards = [pq.ParquetFile(f).metadata.num_rows for f in files]
-    result = {"rank": rank, "packs": packs, "stats": train.stats(log=False), "all_reduce_steps": steps, "shards": shards}
+    result = {
+        "rank": rank,
+        "packs": packs,
+        "stats": train.stats(log=False),
+        "all_reduce_steps": steps,
+        "shards": shards,
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -75,16 +75,39 @@ def main() -> None:
     out = Path(config["out"])
     out.mkdir(parents=True, exist_ok=True)
     accelerator_config: dict[str, Any] = {"dispatch_batches": False, "split_batches": False}
-    fsdp = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": CLASSES,
-                                          "reshard_after_forward": True}} if config.get("fsdp") else {}
+    fsdp = (
+        {
+            "fsdp": True,
+            "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": CLASSES, "reshard_after_forward": True},
+        }
+        if config.get("fsdp")
+        else {}
+    )
     args = TrainingArguments(
-        output_dir=config["output_dir"], use_cpu=True, per_device_train_batch_size=1, gradient_accumulation_steps=1,
-        max_steps=1, learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, logging_steps=1, save_strategy="steps" if config.get("save_steps") else "no",
-        save_steps=config.get("save_steps") or 500, report_to=[], seed=0, data_seed=0, remove_unused_columns=False,
-        dataloader_num_workers=0, accelerator_config=accelerator_config, ddp_timeout=int(config["pg_timeout"]),
-        ignore_data_skip=bool(config.get("stateful") and config.get("resume")), disable_tqdm=True, **fsdp,
-    )  # fmt: skip
+        output_dir=config["output_dir"],
+        use_cpu=True,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=1,
+        max_steps=1,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="steps" if config.get("save_steps") else "no",
+        save_steps=config.get("save_steps") or 500,
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        accelerator_config=accelerator_config,
+        ddp_timeout=int(config["pg_timeout"]),
+        ignore_data_skip=bool(config.get("stateful") and config.get("resume")),
+        disable_tqdm=True,
+        **fsdp,
+    )
     rank, world = args.process_index, args.world_size
     assert world == 2 and torch.distributed.is_initialized(), (world, rank)
 
@@ -95,14 +118,21 @@ def main() -> None:
     else:
         ds = load_dataset("parquet", data_files=config["data"], split="train", streaming=True)
         split = {"rank": rank, "world_size": world}
-    packs = pack_dataset(ds, processor, max_length=config["max_length"], buffer_size=config.get("buffer_size", 16),
-                         disable_progress=True, **split)  # fmt: skip
+    packs = pack_dataset(
+        ds,
+        processor,
+        max_length=config["max_length"],
+        buffer_size=config.get("buffer_size", 16),
+        disable_progress=True,
+        **split,
+    )
     count = packs.count_packs() if config.get("max_steps") is None else None
     args.max_steps = count if count is not None else config["max_steps"]
 
     hf_packing.apply_rmpad("qwen2_5_vl", dummy_vision=bool(config.get("dummy_vision")))
-    model = AutoModelForImageTextToText.from_pretrained(config["model"], dtype=torch.float32,
-                                                        attn_implementation="sdpa")
+    model = AutoModelForImageTextToText.from_pretrained(
+        config["model"], dtype=torch.float32, attn_implementation="sdpa"
+    )
     model.config.use_cache = False
     collator = RecordingCollator(VisionCollator(processor, model_config=model.config))
     trained: list[dict[str, Any]] = []
@@ -111,8 +141,14 @@ def main() -> None:
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             value = loss[0] if return_outputs else loss
-            trained.append({"step": self.state.global_step + 1, "hash": batch_hash(inputs),
-                            "loss": float(value.detach()), "pixels": inputs.get("pixel_values") is not None})
+            trained.append(
+                {
+                    "step": self.state.global_step + 1,
+                    "hash": batch_hash(inputs),
+                    "loss": float(value.detach()),
+                    "pixels": inputs.get("pixel_values") is not None,
+                }
+            )
             return loss
 
         def create_accelerator_and_postprocess(self):
@@ -125,18 +161,30 @@ def main() -> None:
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / f"hf_packing_loader_rank{rank}.pt"
             torch.save(train_dataloader.state_dict(), path)
 
-    trainer = RecordingTrainer(model=model, args=args, train_dataset=packs, data_collator=collator,
-                               callbacks=[SaveLoaderState()] if config.get("stateful") else None)
+    trainer = RecordingTrainer(
+        model=model,
+        args=args,
+        train_dataset=packs,
+        data_collator=collator,
+        callbacks=[SaveLoaderState()] if config.get("stateful") else None,
+    )
     prepare_trainer(trainer, max_length=config["max_length"])
     if config.get("stateful"):
         use_stateful_packs(trainer, config.get("resume"), rank)
         assert trainer.accelerator.use_stateful_dataloader
     trainer.train(resume_from_checkpoint=config.get("resume"))
     torch.distributed.barrier()
-    result = {"rank": rank, "global_step": trainer.state.global_step, "count": count, "max_steps": args.max_steps,
-              "collated": collator.calls, "trained": trained, "stats": packs.stats(log=False),
-              "fsdp_version": getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", None),
-              "sharded": type(next(trainer.model.parameters())).__name__}  # fmt: skip
+    result = {
+        "rank": rank,
+        "global_step": trainer.state.global_step,
+        "count": count,
+        "max_steps": args.max_steps,
+        "collated": collator.calls,
+        "trained": trained,
+        "stats": packs.stats(log=False),
+        "fsdp_version": getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", None),
+        "sharded": type(next(trainer.model.parameters())).__name__,
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 

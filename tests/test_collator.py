@@ -45,8 +45,12 @@ def test_flat_literal():
 
 @pytest.mark.parametrize(
     "features, message",
-    [([], "empty batch"), ([[]], "only empty packs"), ([{"labels": [1]}], "sample 0 has no 'input_ids'"),
-     ([A, {"input_ids": [1, 2], "labels": [1]}], "sample 1: labels has 1 tokens")],
+    [
+        ([], "empty batch"),
+        ([[]], "only empty packs"),
+        ([{"labels": [1]}], "sample 0 has no 'input_ids'"),
+        ([A, {"input_ids": [1, 2], "labels": [1]}], "sample 1: labels has 1 tokens"),
+    ],
 )
 def test_bad_input(features, message):
     with pytest.raises(ValueError, match=message):
@@ -75,13 +79,18 @@ def test_position_ids_match_model_rope_index_per_sample(model_type):
     samples = processed_samples(processor)
     batch = VisionCollator(processor, model_config=model.config)(samples)
     for row, sample in enumerate(samples):
-        extra = {"second_per_grid_ts": sample["second_per_grid_ts"]} if sample.get("second_per_grid_ts") is not None else {}
+        extra = (
+            {"second_per_grid_ts": sample["second_per_grid_ts"]} if sample.get("second_per_grid_ts") is not None else {}
+        )
         if sample.get("image_grid_thw") is None and sample.get("video_grid_thw") is None:
             expected = torch.arange(sample["input_ids"].numel()).expand(3, -1)
         else:
             expected, _ = model.model.get_rope_index(
-                sample["input_ids"][None], mm_token_type_ids=sample["mm_token_type_ids"][None],
-                image_grid_thw=sample.get("image_grid_thw"), video_grid_thw=sample.get("video_grid_thw"), **extra,
+                sample["input_ids"][None],
+                mm_token_type_ids=sample["mm_token_type_ids"][None],
+                image_grid_thw=sample.get("image_grid_thw"),
+                video_grid_thw=sample.get("video_grid_thw"),
+                **extra,
             )
             expected = expected[:, 0]
         n = sample["input_ids"].numel()
@@ -108,8 +117,10 @@ def test_rows_unpatched_equals_patched_and_flat_equals_rows(model_type):
     assert "cu_seqlens" in rows_batch and "position_ids" in rows_batch
     rows_patched = _loss(model, rows_batch)
     flat_patched = _loss(model, VisionCollator(processor, mode="flat", model_config=model.config)(packs))
-    print(f"{model_type}: rows unpatched {rows_unpatched:.7f} patched {rows_patched:.7f} flat {flat:.7f} "
-          f"flat patched {flat_patched:.7f}")
+    print(
+        f"{model_type}: rows unpatched {rows_unpatched:.7f} patched {rows_patched:.7f} flat {flat:.7f} "
+        f"flat patched {flat_patched:.7f}"
+    )
     assert rows_patched == pytest.approx(rows_unpatched, rel=1e-5)
     assert flat == pytest.approx(rows_unpatched, rel=1e-5)
     assert flat_patched == pytest.approx(rows_unpatched, rel=1e-5)

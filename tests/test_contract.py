@@ -55,8 +55,10 @@ def test_position_id_packed_row_is_never_merged(model_type, form):
         ref_logits, ref_loss = _per_document(model, processor)
         out = model(**batch, use_cache=False)
     err = (out.logits[0] - ref_logits).abs().max().item()
-    print(f"{model_type}/{form}: max |logit diff| vs documents alone {err:.2e}; loss {out.loss.item():.6f} vs "
-          f"{ref_loss:.6f}")
+    print(
+        f"{model_type}/{form}: max |logit diff| vs documents alone {err:.2e}; loss {out.loss.item():.6f} vs "
+        f"{ref_loss:.6f}"
+    )
     assert err < 1e-4
     assert out.loss.item() == pytest.approx(ref_loss, rel=1e-5)
 
@@ -199,8 +201,12 @@ def test_one_real_token_keeps_its_shape():
     """A batch with a single real token (e.g. the last, tiny eval pack): logits (1, L, V), not squeezed."""
     model, processor = model_and_processor("qwen2_vl")
     ids = torch.tensor([[processor.tokenizer("Hi")["input_ids"][0], 0]])
-    batch = {"input_ids": ids, "attention_mask": torch.tensor([[1, 0]]), "labels": ids.masked_fill(ids == 0, -100),
-             "use_cache": False}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.tensor([[1, 0]]),
+        "labels": ids.masked_fill(ids == 0, -100),
+        "use_cache": False,
+    }
     model.eval()
     with torch.no_grad():
         ref = model(**batch)

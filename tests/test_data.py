@@ -51,17 +51,34 @@ def same(a: dict, b: dict) -> bool:
 # ------------------------------------------------------------------------------------------------------- formats
 def test_llava_and_hf_messages_give_identical_samples(processors, tmp_path):
     paths = [save(image(90, 60, 1), tmp_path / "a.png"), save(image(40, 120, 2), tmp_path / "b.jpg", "JPEG")]
-    hf = {"messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Compare"}, {"type": "image"},
-                                     {"type": "text", "text": "them."}]},
-        {"role": "assistant", "content": "The first is wider."},
-        {"role": "user", "content": [{"type": "text", "text": "Colours?"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "Both noisy."}]}], "images": ["a.png", "b.jpg"]}
-    lv = {"image": ["a.png", "b.jpg"], "conversations": [
-        {"from": "system", "value": "Be brief."}, {"from": "human", "value": "<image>\nCompare<image>\nthem."},
-        {"from": "gpt", "value": "The first is wider."}, {"from": "human", "value": "Colours?"},
-        {"from": "gpt", "value": "Both noisy."}]}
+    hf = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image"},
+                    {"type": "text", "text": "Compare"},
+                    {"type": "image"},
+                    {"type": "text", "text": "them."},
+                ],
+            },
+            {"role": "assistant", "content": "The first is wider."},
+            {"role": "user", "content": [{"type": "text", "text": "Colours?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Both noisy."}]},
+        ],
+        "images": ["a.png", "b.jpg"],
+    }
+    lv = {
+        "image": ["a.png", "b.jpg"],
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "<image>\nCompare<image>\nthem."},
+            {"from": "gpt", "value": "The first is wider."},
+            {"from": "human", "value": "Colours?"},
+            {"from": "gpt", "value": "Both noisy."},
+        ],
+    }
     assert normalize_row(hf)[0] == normalize_row(lv)[0]
     for family in FAMILIES:
         pre = Preprocessor(processors[family], image_root=tmp_path)
@@ -75,8 +92,12 @@ def test_llava_and_hf_messages_give_identical_samples(processors, tmp_path):
 
 def test_inline_image_parts_are_collected_in_order(tmp_path):
     save(image(30, 30), tmp_path / "x.png")
-    row = {"messages": [{"role": "user", "content": [{"type": "image", "image": "x.png"}, {"type": "text", "text": "?"}]},
-                        {"role": "assistant", "content": "ok"}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "image": "x.png"}, {"type": "text", "text": "?"}]},
+            {"role": "assistant", "content": "ok"},
+        ]
+    }
     assert normalize_row(row)[1] == ["x.png"]
 
 
@@ -84,16 +105,29 @@ def test_inline_image_parts_are_collected_in_order(tmp_path):
 def test_labels_supervise_exactly_the_assistant_turns(processors):
     processor = processors["qwen2_vl"]
     tok = processor.tokenizer
-    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-                        {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Ciao"}]}
-    pieces = [("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0), ("Hello!<|im_end|>", 1),
-              ("\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", 0), ("Ciao<|im_end|>", 1), ("\n", 0)]
+    row = {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Ciao"},
+        ]
+    }
+    pieces = [
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Hello!<|im_end|>", 1),
+        ("\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Ciao<|im_end|>", 1),
+        ("\n", 0),
+    ]
     ids = [tok(text, add_special_tokens=False)["input_ids"] for text, _ in pieces]
     expected_mask = [flag for (_, flag), piece in zip(pieces, ids, strict=True) for _ in piece]
     sample = Preprocessor(processor).process(row, 0)
     assert sample["input_ids"].tolist() == [i for piece in ids for i in piece]
     assert ((sample["labels"] != -100).long()).tolist() == expected_mask
-    assert torch.equal(sample["labels"][sample["labels"] != -100], sample["input_ids"][torch.tensor(expected_mask) == 1])
+    assert torch.equal(
+        sample["labels"][sample["labels"] != -100], sample["input_ids"][torch.tensor(expected_mask) == 1]
+    )
     assert tok.decode(sample["labels"][sample["labels"] != -100]) == "Hello!<|im_end|>Ciao<|im_end|>"
     everything = Preprocessor(processor, train_on="all").process(row, 0)
     assert torch.equal(everything["labels"], everything["input_ids"])
@@ -108,8 +142,10 @@ def test_labels_supervise_exactly_the_assistant_turns(processors):
 def test_vision_tokens_are_never_supervised(processors, family, train_on):
     processor = processors[family]
     vision = torch.tensor([processor.tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS])
-    turns = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "And?"}]},
-             {"role": "assistant", "content": [{"type": "text", "text": "See"}, {"type": "image"}]}]
+    turns = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "And?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "See"}, {"type": "image"}]},
+    ]
     row = {"messages": turns, "images": [image(60, 40, 1), image(40, 70, 2)], "videos": [video(frames=4)]}
     sample = Preprocessor(processor, train_on=train_on).process(row, 0)
     labels, ids = sample["labels"], sample["input_ids"]
@@ -121,8 +157,21 @@ def test_vision_tokens_are_never_supervised(processors, family, train_on):
 
 
 # ------------------------------------------------------------------------------------------------------- lengths
-SIZES = [(1, 1), (27, 29), (28, 28), (56, 56), (448, 448), (512, 512), (1000, 10), (10, 1000), (333, 777),
-         (1920, 1080), (64, 4000), (4000, 4000), (17, 3000)]
+SIZES = [
+    (1, 1),
+    (27, 29),
+    (28, 28),
+    (56, 56),
+    (448, 448),
+    (512, 512),
+    (1000, 10),
+    (10, 1000),
+    (333, 777),
+    (1920, 1080),
+    (64, 4000),
+    (4000, 4000),
+    (17, 3000),
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -132,11 +181,23 @@ def test_estimate_equals_processed_length(processors, family, tmp_path):
         save(Image.new("RGB", (w, h), (k * 20 % 255, 90, 200)), tmp_path / f"{k}.jpg", "JPEG")
     rows = [llava([f"{k}.jpg"]) for k in range(len(SIZES))]
     rows.append(llava([f"{k}.jpg" for k in range(4)], "<image>" * 4 + "\nAll of them?", "yes " * 30))
-    rows.append({"messages": messages(0) + [{"role": "user", "content": [{"type": "video"}]},
-                                            {"role": "assistant", "content": "moving"}],
-                 "videos": [[save(image(70, 50, f), tmp_path / f"f{f}.png") for f in range(6)]]})
-    rows.append({"messages": [{"role": "user", "content": [{"type": "video"}, {"type": "image"}]},
-                              {"role": "assistant", "content": "ok"}], "videos": [video(frames=5)], "images": ["3.jpg"]})
+    rows.append(
+        {
+            "messages": messages(0)
+            + [{"role": "user", "content": [{"type": "video"}]}, {"role": "assistant", "content": "moving"}],
+            "videos": [[save(image(70, 50, f), tmp_path / f"f{f}.png") for f in range(6)]],
+        }
+    )
+    rows.append(
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "video"}, {"type": "image"}]},
+                {"role": "assistant", "content": "ok"},
+            ],
+            "videos": [video(frames=5)],
+            "images": ["3.jpg"],
+        }
+    )
     for i, row in enumerate(rows):
         meta = pre.estimate(row, i)
         sample = pre.process(row, i, planned_tokens=meta.num_tokens)
@@ -189,8 +250,11 @@ def test_truncation_modes_never_cut_an_image(processors, tmp_path):
     with pytest.raises(SampleError) as err:
         Preprocessor(processor, max_length=limit).estimate(row, 12)
     assert err.value.reason == "overlong"
-    with pytest.raises(ValueError, match=r"sample 12 has [\d,]+ tokens > max_length=\d+; raise max_length or set "
-                                         r"on_overlong='truncate_text'"):
+    with pytest.raises(
+        ValueError,
+        match=r"sample 12 has [\d,]+ tokens > max_length=\d+; raise max_length or set "
+        r"on_overlong='truncate_text'",
+    ):
         Preprocessor(processor, max_length=limit, on_overlong="error").estimate(row, 12)
     pre = Preprocessor(processor, max_length=limit, on_overlong="truncate_text")
     meta, cut = pre.estimate(row, 12), pre.process(row, 12)
@@ -259,10 +323,17 @@ def write_bad_files(root) -> dict[str, str]:
 
 
 BAD_IMAGES = [  # (image reference, reason); references are relative to image_root unless absolute
-    ("missing.png", "missing_file"), ("truncated.jpg", "corrupt_image"), ("truncated.png", "corrupt_image"),
-    ("empty.png", "empty_image"), ("zero_width.png", "corrupt_image"), ("garbage.png", "corrupt_image"),
-    ("bomb.png", "image_too_large"), ("big.png", "image_too_large"), ("../outside.png", "path_outside_root"),
-    ("OUTSIDE", "path_outside_root"), ("link_out.png", "path_outside_root"),
+    ("missing.png", "missing_file"),
+    ("truncated.jpg", "corrupt_image"),
+    ("truncated.png", "corrupt_image"),
+    ("empty.png", "empty_image"),
+    ("zero_width.png", "corrupt_image"),
+    ("garbage.png", "corrupt_image"),
+    ("bomb.png", "image_too_large"),
+    ("big.png", "image_too_large"),
+    ("../outside.png", "path_outside_root"),
+    ("OUTSIDE", "path_outside_root"),
+    ("link_out.png", "path_outside_root"),
 ]
 
 
@@ -301,15 +372,21 @@ def test_bad_rows_are_refused_with_a_reason(processors, tmp_path):
         ({"conversations": []}, "empty_conversation"),
         ({"conversations": [{"from": "human", "value": ""}]}, "empty_conversation"),
         ({"messages": messages(0)[:1]}, "no_assistant_turn"),
-        ({"messages": [{"role": "user", "content": b"caf\xe9 au lait"}, {"role": "assistant", "content": "ok"}]},
-         "bad_text"),
+        (
+            {"messages": [{"role": "user", "content": b"caf\xe9 au lait"}, {"role": "assistant", "content": "ok"}]},
+            "bad_text",
+        ),
         ({"conversations": [{"from": "human", "value": b"\xff\xfe"}, {"from": "gpt", "value": "ok"}]}, "bad_text"),
-        ({"messages": [{"role": "user", "content": "bad \udcff surrogate"}, {"role": "assistant", "content": "ok"}]},
-         "bad_text"),
+        (
+            {"messages": [{"role": "user", "content": "bad \udcff surrogate"}, {"role": "assistant", "content": "ok"}]},
+            "bad_text",
+        ),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "bad_row"),
         ({"text": "no conversation at all"}, "bad_row"),
-        ({"messages": messages(0) + [{"role": "user", "content": [{"type": "video"}]}], "videos": ["clip.mp4"]},
-         "unsupported_video"),
+        (
+            {"messages": messages(0) + [{"role": "user", "content": [{"type": "video"}]}], "videos": ["clip.mp4"]},
+            "unsupported_video",
+        ),
         (llava(save(image(1000, 4), tmp_path / "thin.png")), "bad_aspect_ratio"),
     ]
     for row, reason in cases:

@@ -63,8 +63,15 @@ def _packs(eval_file: str, processor, max_length: int, rank: int = 0, world_size
     from datasets import load_dataset
 
     ds = load_dataset("parquet", data_files=eval_file, split="train")
-    return pack_dataset(ds, processor, max_length=max_length, rank=rank, world_size=world_size, leftovers=leftovers,
-                        disable_progress=True)  # fmt: skip
+    return pack_dataset(
+        ds,
+        processor,
+        max_length=max_length,
+        rank=rank,
+        world_size=world_size,
+        leftovers=leftovers,
+        disable_progress=True,
+    )
 
 
 def _load(tiny_model: Path, *, patched: bool):
@@ -80,12 +87,28 @@ def _load(tiny_model: Path, *, patched: bool):
 def _trainer(tmp_path, model, processor, *, train=None, eval_dataset=None, prepare: bool = True, **kwargs):
     from transformers import Trainer, TrainingArguments
 
-    args = dict(output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[], per_device_train_batch_size=1,
-                per_device_eval_batch_size=1, remove_unused_columns=False, dataloader_num_workers=0, max_steps=2,
-                save_strategy="no", disable_tqdm=True, seed=0)  # fmt: skip
+    args = dict(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=1,
+        per_device_eval_batch_size=1,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        max_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     args.update({k: kwargs.pop(k) for k in list(kwargs) if k in TrainingArguments.__dataclass_fields__})
-    trainer = Trainer(model=model, args=TrainingArguments(**args), train_dataset=train, eval_dataset=eval_dataset,
-                      data_collator=VisionCollator(processor, model_config=model.config), **kwargs)  # fmt: skip
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(**args),
+        train_dataset=train,
+        eval_dataset=eval_dataset,
+        data_collator=VisionCollator(processor, model_config=model.config),
+        **kwargs,
+    )
     return prepare_trainer(trainer, max_length=LENGTHS[0]) if prepare else no_dispatch(keep_rank_packs(trainer))
 
 
@@ -115,8 +138,9 @@ def reference(tiny_model, processor, eval_file):
     hf_packing.revert_rmpad()
     samples = [s for pack in _packs(eval_file, processor, max(LENGTHS)) for s in pack]
     loss, accuracy, n = _reference(_load(tiny_model, patched=False), processor, samples)
-    print(f"reference: {len(samples)} samples, {n} supervised tokens, token-level CE {loss:.6f}, "
-          f"accuracy {accuracy:.4f}")
+    print(
+        f"reference: {len(samples)} samples, {n} supervised tokens, token-level CE {loss:.6f}, accuracy {accuracy:.4f}"
+    )
     return {"loss": loss, "accuracy": accuracy, "n": n, "indices": sorted(int(s["index"]) for s in samples)}
 
 
@@ -130,8 +154,9 @@ def test_evaluate_before_train_works_with_telemetry(tmp_path, tiny_model, proces
 
 
 @pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
-def test_eval_loss_is_the_token_level_mean_at_any_max_length(tmp_path, tiny_model, processor, eval_file, reference,
-                                                              patched):  # fmt: skip
+def test_eval_loss_is_the_token_level_mean_at_any_max_length(
+    tmp_path, tiny_model, processor, eval_file, reference, patched
+):
     """The same 12 samples in 5 packs (256) or 2 packs (1024): eval_loss = Σ CE / Σ tokens of the unpatched model
     sample by sample. Negative control: the Trainer's own eval_loss (mean of per-pack means) differs."""
     model = _load(tiny_model, patched=patched)
@@ -143,9 +168,11 @@ def test_eval_loss_is_the_token_level_mean_at_any_max_length(tmp_path, tiny_mode
         plain = _trainer(tmp_path, model, processor, eval_dataset=packs, prepare=False).evaluate()
         results[max_length] = (len(list(packs)), ours, plain["eval_loss"])
     for max_length, (n_packs, ours, plain) in results.items():
-        print(f"max_length {max_length}: {n_packs} packs, eval_loss {ours['eval_loss']:.6f} "
-              f"(reference {reference['loss']:.6f}), mean of pack means {plain:.6f}, "
-              f"token accuracy {ours['eval_token_accuracy']:.4f}")  # fmt: skip
+        print(
+            f"max_length {max_length}: {n_packs} packs, eval_loss {ours['eval_loss']:.6f} "
+            f"(reference {reference['loss']:.6f}), mean of pack means {plain:.6f}, "
+            f"token accuracy {ours['eval_token_accuracy']:.4f}"
+        )
         assert _rel(ours["eval_loss"], reference["loss"]) < REL
         assert _rel(ours["eval_token_accuracy"], reference["accuracy"]) < REL
     assert results[LENGTHS[0]][0] != results[LENGTHS[1]][0]
@@ -155,8 +182,17 @@ def test_eval_loss_is_the_token_level_mean_at_any_max_length(tmp_path, tiny_mode
 def test_eval_during_and_after_training_is_token_level(tmp_path, tiny_model, processor, eval_file, reference):
     """eval_strategy="steps" inside train(), then evaluate() and predict() after it (lr 0: the model stays put)."""
     packs = _packs(eval_file, processor, LENGTHS[0])
-    trainer = _trainer(tmp_path, _load(tiny_model, patched=False), processor, train=packs, eval_dataset=packs,
-                       eval_strategy="steps", eval_steps=1, logging_steps=1, learning_rate=0.0)  # fmt: skip
+    trainer = _trainer(
+        tmp_path,
+        _load(tiny_model, patched=False),
+        processor,
+        train=packs,
+        eval_dataset=packs,
+        eval_strategy="steps",
+        eval_steps=1,
+        logging_steps=1,
+        learning_rate=0.0,
+    )
     trainer.train()
     during = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     after = trainer.evaluate()["eval_loss"]
@@ -166,14 +202,20 @@ def test_eval_during_and_after_training_is_token_level(tmp_path, tiny_model, pro
     assert max(_rel(x, reference["loss"]) for x in [*during, after, predicted]) < REL
 
 
-def test_two_packs_per_step_and_a_second_evaluation_keep_every_row(tmp_path, tiny_model, processor, eval_file,
-                                                                   reference):  # fmt: skip
+def test_two_packs_per_step_and_a_second_evaluation_keep_every_row(
+    tmp_path, tiny_model, processor, eval_file, reference
+):
     """per_device_eval_batch_size=2 over 7 packs, evaluated twice. Once a pass has counted the stream, accelerate's
     gather_for_metrics cut the last step to 7 % 2 = 1 row: compute_metrics lost labels on the second evaluate()."""
     packs = _packs(eval_file, processor, LENGTHS[0])
-    trainer = _trainer(tmp_path, _load(tiny_model, patched=False), processor, eval_dataset=packs,
-                       per_device_eval_batch_size=2,
-                       compute_metrics=lambda p: {"label_tokens": int((p.label_ids != -100).sum())})  # fmt: skip
+    trainer = _trainer(
+        tmp_path,
+        _load(tiny_model, patched=False),
+        processor,
+        eval_dataset=packs,
+        per_device_eval_batch_size=2,
+        compute_metrics=lambda p: {"label_tokens": int((p.label_ids != -100).sum())},
+    )
     for _ in range(2):
         metrics = trainer.evaluate()
         print(f"eval_loss {metrics['eval_loss']:.6f}, label tokens {metrics['eval_label_tokens']}")
@@ -269,8 +311,9 @@ def test_spread_leftovers_give_every_eval_pack_to_exactly_one_rank(processor, ev
     """7 packs on 2 ranks: "drop" (training's default) leaves the 7th out; "spread" gives it to rank 0 and rank 1 an
     unsupervised 1-token filler, so both ranks still take 4 steps."""
     for leftovers in ("drop", "spread"):
-        ranks = [list(_packs(eval_file, processor, LENGTHS[0], rank=r, world_size=2, leftovers=leftovers))
-                 for r in (0, 1)]
+        ranks = [
+            list(_packs(eval_file, processor, LENGTHS[0], rank=r, world_size=2, leftovers=leftovers)) for r in (0, 1)
+        ]
         indices = sorted(int(s["index"]) for packs in ranks for p in packs for s in p if s["index"] >= 0)
         print(f"{leftovers}: packs per rank {[len(p) for p in ranks]}, samples {len(indices)}")
         assert len(ranks[0]) == len(ranks[1])
@@ -282,17 +325,25 @@ def test_spread_leftovers_give_every_eval_pack_to_exactly_one_rank(processor, ev
 
 
 @pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
-def test_two_processes_evaluate_every_pack_once_and_match_one_process(tmp_path, tiny_model, eval_file,
-                                                                       reference, patched):  # fmt: skip
+def test_two_processes_evaluate_every_pack_once_and_match_one_process(
+    tmp_path, tiny_model, eval_file, reference, patched
+):
     """2 gloo processes, the eval set packed at two max_lengths: each pack is evaluated by exactly one rank, and
     eval_loss equals the one-process token-level reference; compute_metrics gets every label once. Negative control:
     without the eval half of `keep_rank_packs` accelerate re-shards each rank's stream (packs skipped), eval_loss
     moves."""
     runs = {}
     for fix in (True, False):
-        proc, results, seconds = launch(tmp_path / f"fix{fix}", 240, helper=HELPER, model=str(tiny_model),
-                                        data=[eval_file], lengths=list(LENGTHS), keep_eval_packs=fix,
-                                        patched=patched)  # fmt: skip
+        proc, results, seconds = launch(
+            tmp_path / f"fix{fix}",
+            240,
+            helper=HELPER,
+            model=str(tiny_model),
+            data=[eval_file],
+            lengths=list(LENGTHS),
+            keep_eval_packs=fix,
+            patched=patched,
+        )
         check_ok(proc, results, seconds, f"2-process evaluation, keep_eval_packs={fix}")
         runs[fix] = results
     for max_length in LENGTHS:
@@ -300,9 +351,11 @@ def test_two_processes_evaluate_every_pack_once_and_match_one_process(tmp_path, 
         (r0, r1), broken = runs[True], runs[False][0]["metrics"]
         evaluated, unfixed = _evaluated(runs[True], key), _evaluated(runs[False], key)
         loss = r0["metrics"][f"{key}_loss"]
-        print(f"max_length {max_length}: {len(r0['evaluated'][key])}+{len(r1['evaluated'][key])} packs, eval_loss "
-              f"{loss:.6f} (reference {reference['loss']:.6f}); without the fix {len(unfixed)} of {len(evaluated)} "
-              f"samples evaluated, eval_loss {broken[f'{key}_loss']:.6f}")  # fmt: skip
+        print(
+            f"max_length {max_length}: {len(r0['evaluated'][key])}+{len(r1['evaluated'][key])} packs, eval_loss "
+            f"{loss:.6f} (reference {reference['loss']:.6f}); without the fix {len(unfixed)} of {len(evaluated)} "
+            f"samples evaluated, eval_loss {broken[f'{key}_loss']:.6f}"
+        )
         assert evaluated == reference["indices"]  # every sample once, over both ranks
         assert all(r0["metrics"][k] == r1["metrics"][k] for k in r0["metrics"])
         assert _rel(loss, reference["loss"]) < REL

@@ -46,13 +46,33 @@ def test_llava_video_tags_are_video_parts_never_text():
 
 def test_a_row_is_normalised_by_its_sources_format_not_by_its_columns():
     # what interleave_datasets makes of a LLaVA row mixed with a messages source: every column, None where absent
-    llava = {"messages": None, "images": None, "videos": None, "image": "a.png", "video": None,
-             "conversations": turns("<image>\nWhat is this?")}
-    hf = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
-                       {"role": "assistant", "content": "A dog."}], "images": ["a.png"], "videos": None,
-          "image": None, "video": None, "conversations": None}
-    expected = ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
-                 {"role": "assistant", "content": [{"type": "text", "text": "A dog."}]}], ["a.png"], [])
+    llava = {
+        "messages": None,
+        "images": None,
+        "videos": None,
+        "image": "a.png",
+        "video": None,
+        "conversations": turns("<image>\nWhat is this?"),
+    }
+    hf = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+            {"role": "assistant", "content": "A dog."},
+        ],
+        "images": ["a.png"],
+        "videos": None,
+        "image": None,
+        "video": None,
+        "conversations": None,
+    }
+    expected = (
+        [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "A dog."}]},
+        ],
+        ["a.png"],
+        [],
+    )
     for row, fmt in ((llava, "llava"), (hf, "messages")):
         assert normalize_row(row) == expected  # auto: the column that holds a value, never a None column
         assert normalize_row(row, row_format=fmt) == expected
@@ -61,12 +81,15 @@ def test_a_row_is_normalised_by_its_sources_format_not_by_its_columns():
     assert err.value.reason == "empty_conversation"
 
 
-@pytest.mark.parametrize(("row", "reason"), [
-    ({"conversations": turns("<video>\nWhat happens?")}, "placeholder_mismatch"),  # a tag and no video
-    ({"video": "clip.mp4", "conversations": turns("What happens?")}, "placeholder_mismatch"),  # a video, no tag
-    ({"video": "clip.mp4", "conversations": turns("<video><video>Twice?")}, "placeholder_mismatch"),  # more tags
-    ({"image": "a.png", "images": ["b.png"], "conversations": turns("<image>?")}, "bad_row"),  # which one?
-])
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ({"conversations": turns("<video>\nWhat happens?")}, "placeholder_mismatch"),  # a tag and no video
+        ({"video": "clip.mp4", "conversations": turns("What happens?")}, "placeholder_mismatch"),  # a video, no tag
+        ({"video": "clip.mp4", "conversations": turns("<video><video>Twice?")}, "placeholder_mismatch"),  # more tags
+        ({"image": "a.png", "images": ["b.png"], "conversations": turns("<image>?")}, "bad_row"),  # which one?
+    ],
+)
 def test_tags_and_media_must_agree(row, reason):
     with pytest.raises(SampleError) as err:
         normalize_row(row)
@@ -83,8 +106,15 @@ def test_video_files_are_skipped_with_their_reason(processor, tmp_path):
         ({"video": "clip.mp4", "conversations": turns("<video>\nWhat happens?")}, "unsupported_video"),
         ({"videos": [[names[0], "gone.png"]], "conversations": turns("<video>\nWhat happens?")}, "missing_file"),
         ({"video": "../clip.mp4", "conversations": turns("<video>?")}, "path_outside_root"),
-        ({"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]},
-                       {"role": "assistant", "content": "Rain."}]}, "unsupported_video"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]},
+                    {"role": "assistant", "content": "Rain."},
+                ]
+            },
+            "unsupported_video",
+        ),
     ]
     for row, reason in cases:
         with pytest.raises(SampleError) as err:
@@ -160,13 +190,32 @@ def test_stats_cli_counts_video_rows_as_skips(tmp_path, capsys):
 
     image(56, 56).save(tmp_path / "a.png")
     (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
-    rows = [{"image": "a.png", "conversations": turns("<image>\nWhat is this?")},
-            {"conversations": turns("Hello?", "Hi.")},
-            {"video": "missing.mp4", "conversations": turns("<video>\nWhat happens?")},
-            {"video": "clip.mp4", "conversations": turns("<video>\nWhat happens?")}]
+    rows = [
+        {"image": "a.png", "conversations": turns("<image>\nWhat is this?")},
+        {"conversations": turns("Hello?", "Hi.")},
+        {"video": "missing.mp4", "conversations": turns("<video>\nWhat happens?")},
+        {"video": "clip.mp4", "conversations": turns("<video>\nWhat happens?")},
+    ]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["stats", str(tmp_path / "d.jsonl"), "--processor", str(FIXTURES / "qwen2_5_vl"), "--max-length", "256",
-                 "--strategy", "bfd", "--image-root", str(tmp_path), "--output", str(tmp_path / "h.png")]) == 0
+    assert (
+        main(
+            [
+                "stats",
+                str(tmp_path / "d.jsonl"),
+                "--processor",
+                str(FIXTURES / "qwen2_5_vl"),
+                "--max-length",
+                "256",
+                "--strategy",
+                "bfd",
+                "--image-root",
+                str(tmp_path),
+                "--output",
+                str(tmp_path / "h.png"),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert table.startswith("4 rows, max_length=256")
     (line,) = [x for x in table.splitlines() if x.startswith("bfd")]

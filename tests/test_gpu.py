@@ -57,8 +57,10 @@ def test_real_kernel_error_within_2x_of_plain_low_precision(model_type, backend,
     rmpad_loss, rmpad_grads = _run(model, batch, autocast)
     plain_err = ((plain_grads - ref_grads).norm() / ref_grads.norm()).item()
     rmpad_err = ((rmpad_grads - ref_grads).norm() / ref_grads.norm()).item()
-    print(f"{model_type}/{backend}/{setup}: loss fp32 {ref_loss:.5f} plain {plain_loss:.5f} rmpad {rmpad_loss:.5f}; "
-          f"grad rel err plain {plain_err:.3e}, rmpad {rmpad_err:.3e}")
+    print(
+        f"{model_type}/{backend}/{setup}: loss fp32 {ref_loss:.5f} plain {plain_loss:.5f} rmpad {rmpad_loss:.5f}; "
+        f"grad rel err plain {plain_err:.3e}, rmpad {rmpad_err:.3e}"
+    )
     assert abs(rmpad_loss - ref_loss) <= 2 * abs(plain_loss - ref_loss) + 1e-3
     assert rmpad_err <= 2 * plain_err
 
@@ -69,8 +71,10 @@ def test_device_map_split_model_loss_follows_the_head():
     from accelerate import dispatch_model
 
     processor = load_processor("qwen2_5_vl")
-    batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
-             for k, v in processed_batch(processor, conversations(with_video=False)).items()}
+    batch = {
+        k: (v.cuda() if isinstance(v, torch.Tensor) else v)
+        for k, v in processed_batch(processor, conversations(with_video=False)).items()
+    }
     model = build_tiny_model("qwen2_5_vl", processor_dir=FIXTURES / "qwen2_5_vl")
     model = dispatch_model(model, device_map={"model": 0, "lm_head": "cpu"})
     ref = model(**batch).loss.item()
@@ -109,5 +113,9 @@ def test_fla_linear_attention_equals_each_sample_alone_within_2x(model_type, set
         plain_loss, by_name = each_sample_alone(model, samples)
     plain_grads = torch.cat([by_name[n].float().flatten() for n in sorted(by_name)])
     hf_packing.apply_rmpad(model_type, linear_backend="fla")
-    assert_within_2x((ref_loss, ref_grads), (plain_loss, plain_grads), _run(model, packed, autocast),
-                     f"{model_type}/fla/{setup}, packed vs each alone (plain)")
+    assert_within_2x(
+        (ref_loss, ref_grads),
+        (plain_loss, plain_grads),
+        _run(model, packed, autocast),
+        f"{model_type}/fla/{setup}, packed vs each alone (plain)",
+    )

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
-
-import pytest
 
 from hf_packing.loss import liger_can_read_weight, linear_cross_entropy_sum, reduce_loss, shift_labels_per_sequence
 
@@ -70,7 +69,7 @@ def test_liger_never_reads_a_partitioned_weight(monkeypatch):
 
 
 def test_liger_wiring_with_stand_in(monkeypatch):
-    """When liger-kernel is installed the fused kernel gets (hidden, weight, targets) of supervised rows, sum reduction."""
+    """With liger-kernel installed the fused kernel gets (hidden, weight, targets) of supervised rows, sum reduction."""
     from hf_packing import _compat
 
     calls = []

@@ -29,7 +29,9 @@ def assert_equivalent(ref, got, label: str = "") -> None:
     assert ref_grads.keys() == grads.keys(), set(ref_grads) ^ set(grads)
     errs = {n: ((grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in ref_grads.items()}
     worst = max(errs, key=errs.get)
-    print(f"{label}: loss {ref_loss:.6f} vs {loss:.6f} (rel {loss_err:.2e}); worst grad rel {errs[worst]:.2e} ({worst})")
+    print(
+        f"{label}: loss {ref_loss:.6f} vs {loss:.6f} (rel {loss_err:.2e}); worst grad rel {errs[worst]:.2e} ({worst})"
+    )
     assert loss_err <= LOSS_RTOL
     assert errs[worst] <= GRAD_RTOL, worst
 
@@ -85,8 +87,11 @@ def test_revert_restores_identical_objects():
     from transformers import AttentionInterface
     from transformers.models.qwen3_vl import modeling_qwen3_vl as mod
 
-    before = (mod.Qwen3VLForConditionalGeneration.__dict__["forward"], mod.is_flash_attention_requested,
-              dict(AttentionInterface()))
+    before = (
+        mod.Qwen3VLForConditionalGeneration.__dict__["forward"],
+        mod.is_flash_attention_requested,
+        dict(AttentionInterface()),
+    )
     hf_packing.apply_rmpad()
     hf_packing.apply_rmpad(attn_backend="reference")  # twice is harmless
     patched = mod.Qwen3VLForConditionalGeneration.__dict__["forward"]
@@ -152,7 +157,9 @@ def test_placeholder_mismatch_names_the_row():
     grids[[0, 1]] = grids[[1, 0]]  # same total, but rows 1 and 2 now disagree with their grids
     if torch.equal(grids, batch["image_grid_thw"]):
         pytest.skip("images have equal grids")
-    with pytest.raises(ValueError, match="Image features and image tokens do not match.*sequence 1 has .* image placeholder"):
+    with pytest.raises(
+        ValueError, match="Image features and image tokens do not match.*sequence 1 has .* image placeholder"
+    ):
         model(**dict(batch, image_grid_thw=grids))
 
 

@@ -145,9 +145,7 @@ def test_image_budget(strategy: str, expected: list[list[int]]) -> None:
     ],
 )
 def test_patch_budget(strategy: str, expected: list[list[int]]) -> None:
-    packs = plan_packs(
-        [3, 3, 3], max_length=100, strategy=strategy, vision_patches=[5, 5, 5], max_vision_patches=10
-    )
+    packs = plan_packs([3, 3, 3], max_length=100, strategy=strategy, vision_patches=[5, 5, 5], max_vision_patches=10)
     assert packs == expected
 
 
@@ -286,11 +284,7 @@ def _check_plan(p: dict, packs: list[list[int]]) -> None:
     mi, mp, ml = p["max_images"], p["max_vision_patches"], p["max_length"]
 
     def oversize(i: int) -> bool:
-        return (
-            lengths[i] > ml
-            or (mi is not None and images[i] > mi)
-            or (mp is not None and patches[i] > mp)
-        )
+        return lengths[i] > ml or (mi is not None and images[i] > mi) or (mp is not None and patches[i] > mp)
 
     flat = [i for pack in packs for i in pack]
     assert len(flat) == len(set(flat)), "a sample is in two packs"
@@ -392,15 +386,18 @@ def _reference_bfd(p: dict) -> list[list[int]]:
     """Whole-dataset best fit decreasing, quadratic and obvious: longest first (stable), into the pack with the
     least token room that fits every budget (ties: the oldest), else a new pack."""
     ml, mi, mp = p["max_length"], p["max_images"], p["max_vision_patches"]
-    size = [(p["lengths"][i], p["images"][i] if mi is not None else 0, p["patches"][i] if mp is not None else 0)
-            for i in range(len(p["lengths"]))]
+    size = [
+        (p["lengths"][i], p["images"][i] if mi is not None else 0, p["patches"][i] if mp is not None else 0)
+        for i in range(len(p["lengths"]))
+    ]
     bins: list[list] = []  # [items, tokens, images, patches]
     for i in sorted(range(len(size)), key=lambda i: -size[i][0]):
         t, im, pa = size[i]
         if t > ml or (mi is not None and im > mi) or (mp is not None and pa > mp):
             continue
-        fits = [b for b in bins
-                if b[1] + t <= ml and (mi is None or b[2] + im <= mi) and (mp is None or b[3] + pa <= mp)]
+        fits = [
+            b for b in bins if b[1] + t <= ml and (mi is None or b[2] + im <= mi) and (mp is None or b[3] + pa <= mp)
+        ]
         if fits:
             b = min(fits, key=lambda b: ml - b[1])  # min keeps the first (oldest) among equal room
             b[0].append(i)
@@ -419,8 +416,13 @@ def test_property_whole_dataset_bfd_matches_reference(p: dict) -> None:
 @FAST
 @given(problems(), st.integers(1, 12))
 def test_property_bfd_without_carry_over_plans_each_window_alone(p: dict, k: int) -> None:
-    planner = StreamingPlanner(max_length=p["max_length"], max_images=p["max_images"],
-                               max_vision_patches=p["max_vision_patches"], buffer_size=k, max_open_bins=0)
+    planner = StreamingPlanner(
+        max_length=p["max_length"],
+        max_images=p["max_images"],
+        max_vision_patches=p["max_vision_patches"],
+        buffer_size=k,
+        max_open_bins=0,
+    )
     got = planner.extend(p["lengths"], images=p["images"], patches=p["patches"]) + planner.flush()
     kept = [i for i in range(len(p["lengths"])) if _reference_bfd({**p, **{c: [p[c][i]] for c in COLUMNS}})]
     expected = []
@@ -549,4 +551,3 @@ def test_pack_stats_values() -> None:
 def test_padded_fill_at_batch() -> None:
     assert padded_fill_at_batch([4, 2, 1], batch_size=2) == pytest.approx(7 / (8 + 1))
     assert padded_fill_at_batch([], batch_size=8) == 1.0
-

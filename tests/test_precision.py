@@ -41,8 +41,10 @@ def _errors(ref, run) -> tuple[float, float]:
 
 def assert_within_2x(ref, plain, patched, label: str) -> None:
     plain_err, patched_err = _errors(ref, plain), _errors(ref, patched)
-    print(f"{label}: loss err plain {plain_err[0]:.2e} patched {patched_err[0]:.2e}; "
-          f"grad err plain {plain_err[1]:.2e} patched {patched_err[1]:.2e}")
+    print(
+        f"{label}: loss err plain {plain_err[0]:.2e} patched {patched_err[0]:.2e}; "
+        f"grad err plain {plain_err[1]:.2e} patched {patched_err[1]:.2e}"
+    )
     assert patched_err[0] <= 2 * plain_err[0] + 1e-3, "loss"
     assert patched_err[1] <= 2 * plain_err[1], "grads"
 
@@ -86,8 +88,13 @@ def test_lora_under_autocast_through_strict_kernel(monkeypatch):
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     ref, plain, patched, calls, _ = _three_runs(
-        "qwen2_5_vl", monkeypatch, "flash_attn", autocast=True, rows=conversations(with_video=False),
-        prepare=lambda m: peft.get_peft_model(m, config))
+        "qwen2_5_vl",
+        monkeypatch,
+        "flash_attn",
+        autocast=True,
+        rows=conversations(with_video=False),
+        prepare=lambda m: peft.get_peft_model(m, config),
+    )
     assert_within_2x(ref, plain, patched, "qwen2_5_vl/lora/fp32+autocast")
     assert calls
 
@@ -97,8 +104,14 @@ def test_gradient_checkpointing_under_autocast_through_strict_kernel(monkeypatch
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model.train()
 
-    ref, plain, patched, calls, _ = _three_runs("qwen3_vl", monkeypatch, "torch_varlen", autocast=True,
-                                                rows=conversations(with_video=False), prepare=checkpointed)
+    ref, plain, patched, calls, _ = _three_runs(
+        "qwen3_vl",
+        monkeypatch,
+        "torch_varlen",
+        autocast=True,
+        rows=conversations(with_video=False),
+        prepare=checkpointed,
+    )
     assert_within_2x(ref, plain, patched, "qwen3_vl/grad-ckpt/fp32+autocast")
     assert calls.count(True) >= 2 * 2  # forward and recomputation both went through the kernel
 
@@ -107,12 +120,16 @@ def test_negative_control_merged_sequences_exceed_the_tolerance(monkeypatch):
     """The same check fails when two samples attend to each other (rows 0 and 1 given as one sequence)."""
     model, processor = model_and_processor("qwen2_5_vl")
     batch = processed_batch(processor, conversations(with_video=False))
-    positions, _ = model.model.get_rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
-                                              image_grid_thw=batch["image_grid_thw"],
-                                              attention_mask=batch["attention_mask"])
+    positions, _ = model.model.get_rope_index(
+        batch["input_ids"],
+        mm_token_type_ids=batch["mm_token_type_ids"],
+        image_grid_thw=batch["image_grid_thw"],
+        attention_mask=batch["attention_mask"],
+    )
     lengths = batch["attention_mask"].sum(1).tolist()
-    merged = torch.tensor([0, lengths[0] + lengths[1], *torch.tensor(lengths).cumsum(0)[2:].tolist()],
-                          dtype=torch.int32)
+    merged = torch.tensor(
+        [0, lengths[0] + lengths[1], *torch.tensor(lengths).cumsum(0)[2:].tolist()], dtype=torch.int32
+    )
     ref = _run(model, batch, autocast=False)
     plain = _run(model, batch, autocast=True)
     install_kernel(monkeypatch, "flash_attn")
@@ -152,10 +169,21 @@ def _trainer_step_update(model, micro_batches: list[dict], accumulation: int) ->
     from transformers import Trainer, TrainingArguments
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = TrainingArguments("/tmp/hf_packing_moe_step", per_device_train_batch_size=1, max_steps=1,
-                             gradient_accumulation_steps=accumulation, learning_rate=1.0, optim="sgd",
-                             lr_scheduler_type="constant", report_to=[], save_strategy="no", use_cpu=True,
-                             remove_unused_columns=False, max_grad_norm=0.0, disable_tqdm=True)
+    args = TrainingArguments(
+        "/tmp/hf_packing_moe_step",
+        per_device_train_batch_size=1,
+        max_steps=1,
+        gradient_accumulation_steps=accumulation,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        remove_unused_columns=False,
+        max_grad_norm=0.0,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=micro_batches, data_collator=lambda items: items[0])
     trainer.train()
     return {n: before[n] - p.detach() for n, p in model.named_parameters()}
@@ -203,8 +231,16 @@ def test_ddp_with_an_unsupervised_micro_batch(tmp_path):
     from pathlib import Path
 
     out = tmp_path / "ddp.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).parent / "multiproc_ddp.py"), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(Path(__file__).parent / "multiproc_ddp.py"),
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -238,7 +274,8 @@ def test_the_recipes_precision_setup_through_strict_flash_attn(model_type, monke
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model.train()
 
-    ref, plain, patched, calls, _ = _three_runs(model_type, monkeypatch, "flash_attn", autocast=True,
-                                                prepare=checkpointed)
+    ref, plain, patched, calls, _ = _three_runs(
+        model_type, monkeypatch, "flash_attn", autocast=True, prepare=checkpointed
+    )
     assert_within_2x(ref, plain, patched, f"{model_type}/recipe setup")
     assert True in calls and False in calls

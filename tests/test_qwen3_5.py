@@ -41,7 +41,7 @@ def each_sample_alone(model, samples) -> tuple[float, dict[str, torch.Tensor]]:
     return loss_sum / total, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _oracle(model_type: str) -> tuple[float, dict[str, torch.Tensor]]:
     """Each sample alone on the unpatched model; tests take it before they patch anything."""
     assert not is_applied(model_type), "the oracle runs on the unpatched model"
@@ -71,8 +71,11 @@ def test_patched_equals_each_sample_alone_unpatched(model_type, layout):
 
 def _unpatched_padded_report(model_type: str, side: str) -> None:
     model, processor = model_and_processor(model_type, side)
-    assert_equivalent(_oracle(model_type), loss_and_grads(model, processed_batch(processor)),
-                      f"{model_type}/unpatched padded {side} vs each alone")
+    assert_equivalent(
+        _oracle(model_type),
+        loss_and_grads(model, processed_batch(processor)),
+        f"{model_type}/unpatched padded {side} vs each alone",
+    )
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -118,8 +121,9 @@ def _linear_layer_output(model, batch) -> torch.Tensor:
     """``(T, hidden)`` output of the first decoder layer (Gated DeltaNet), for a batch of one unpadded row."""
     model.eval()
     with torch.no_grad():
-        out = model(**{k: v for k, v in batch.items() if k != "labels"} | {"use_cache": False},
-                    output_hidden_states=True)
+        out = model(
+            **{k: v for k, v in batch.items() if k != "labels"} | {"use_cache": False}, output_hidden_states=True
+        )
     model.train()
     return out.hidden_states[1][0]
 
@@ -133,23 +137,30 @@ def test_negative_control_ignoring_boundaries_in_linear_layers(ignored, monkeypa
     model_type = "qwen3_5"
     (ref_loss, ref_grads), (model, processor) = _oracle(model_type), model_and_processor(model_type)
     batch = layout_batch(model, model_type, "packed_cu_seqlens")
-    alone = torch.cat([_linear_layer_output(model, {k: (v[None] if k in ROW_KEYS else v) for k, v in s.items()})
-                       for s in processed_samples(processor)])
+    alone = torch.cat(
+        [
+            _linear_layer_output(model, {k: (v[None] if k in ROW_KEYS else v) for k, v in s.items()})
+            for s in processed_samples(processor)
+        ]
+    )
     layer_diff = lambda: ((_linear_layer_output(model, batch) - alone).abs().max() / alone.abs().max()).item()  # noqa: E731
     hf_packing.apply_rmpad(model_type)
     kept = layer_diff()
     if ignored in ("conv_window", "both"):
         monkeypatch.setattr(linear_attention, "causal_conv1d", _ignoring_boundaries(linear_attention.causal_conv1d, 4))
     if ignored in ("recurrent_state", "both"):
-        monkeypatch.setattr(linear_attention, "gated_delta_rule",
-                            _ignoring_boundaries(linear_attention.gated_delta_rule, 5))
+        monkeypatch.setattr(
+            linear_attention, "gated_delta_rule", _ignoring_boundaries(linear_attention.gated_delta_rule, 5)
+        )
     loss, grads = loss_and_grads(model, batch)
     loss_err = abs(loss - ref_loss) / abs(ref_loss)
     grad_err = max(((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items())
     dropped = layer_diff()
-    print(f"{model_type}, {ignored} ignored: linear layer output max rel diff {dropped:.2e} (boundaries kept: "
-          f"{kept:.2e}); loss rel {loss_err:.2e} (tolerance {LOSS_RTOL:.0e}); worst grad rel {grad_err:.2e} "
-          f"(tolerance {GRAD_RTOL:.0e})")
+    print(
+        f"{model_type}, {ignored} ignored: linear layer output max rel diff {dropped:.2e} (boundaries kept: "
+        f"{kept:.2e}); loss rel {loss_err:.2e} (tolerance {LOSS_RTOL:.0e}); worst grad rel {grad_err:.2e} "
+        f"(tolerance {GRAD_RTOL:.0e})"
+    )
     assert kept < 1e-5 and dropped > 1e-2 and grad_err > 100 * GRAD_RTOL
 
 
@@ -193,8 +204,14 @@ def test_stand_ins_refuse_what_fla_refuses():
     with pytest.raises(KernelContractError, match="LongTensor"):
         kernels.fla_chunk_gated_delta_rule(q, q, v, -g, g, cu_seqlens=cu.int())
     with pytest.raises(KernelContractError, match="batch size is expected to be 1"):
-        kernels.fla_chunk_gated_delta_rule(q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
-                                           -g.expand(2, -1, -1), g.expand(2, -1, -1), cu_seqlens=cu)
+        kernels.fla_chunk_gated_delta_rule(
+            q.expand(2, -1, -1, -1),
+            q.expand(2, -1, -1, -1),
+            v.expand(2, -1, -1, -1),
+            -g.expand(2, -1, -1),
+            g.expand(2, -1, -1),
+            cu_seqlens=cu,
+        )
     with pytest.raises(KernelContractError, match="share one of"):
         kernels.fla_chunk_gated_delta_rule(q, q, v.bfloat16(), -g, g, cu_seqlens=cu)
     with pytest.raises(KernelContractError, match="end at the token count 6"):
@@ -235,4 +252,3 @@ def test_apply_twice_and_revert_restore_the_kernel_functions():
     assert all(f.__wrapped__ is b for f, b in zip((mod.causal_conv1d_fn, mod.torch_chunk_gated_delta_rule), before))
     hf_packing.revert_rmpad()
     assert mod.causal_conv1d_fn is before[0] and mod.torch_chunk_gated_delta_rule is before[1]
-

@@ -19,8 +19,14 @@ from conftest import image
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TRAIN_CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((RECIPES / "accelerate").glob("*.yaml"))
-EXPECTED_TYPES = {"single_gpu": "NO", "ddp": "MULTI_GPU", "fsdp2": "FSDP", "deepspeed_zero2": "DEEPSPEED",
-                  "deepspeed_zero3": "DEEPSPEED", "multi_node": "FSDP"}  # fmt: skip
+EXPECTED_TYPES = {
+    "single_gpu": "NO",
+    "ddp": "MULTI_GPU",
+    "fsdp2": "FSDP",
+    "deepspeed_zero2": "DEEPSPEED",
+    "deepspeed_zero3": "DEEPSPEED",
+    "multi_node": "FSDP",
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +70,9 @@ def test_cli_flags_override_the_yaml_and_unknown_keys_fail(train, tmp_path):
 def test_prepare_training_args_forces_pack_settings(train, caplog):
     from transformers import TrainingArguments
 
-    args = TrainingArguments(output_dir="unused", use_cpu=True, per_device_train_batch_size=4, max_steps=3, report_to=[])
+    args = TrainingArguments(
+        output_dir="unused", use_cpu=True, per_device_train_batch_size=4, max_steps=3, report_to=[]
+    )
     with caplog.at_level(logging.WARNING, logger="hf_packing.recipes"):
         args = train.prepare_training_args(args)
     assert "overridden to 1" in caplog.text and args.per_device_train_batch_size == 1
@@ -80,8 +88,19 @@ def test_per_source_data_settings_take_one_value_or_one_per_path(train):
     assert train.per_path(["/c", "/v"], names, "media_root") == {"0:coco": "/c", "1:clips": "/v"}
     with pytest.raises(ValueError, match="3 fps values for 2 dataset_path entries"):
         train.per_path([1.0, 2.0, 3.0], names, "fps")
-    _, data_args, _, _ = train.parse_args([str(RECIPES / "configs/tiny_cpu.yaml"), "--media_root", "/c", "/v",
-                                           "--fps", "2", "--row_format", "llava", "messages"])
+    _, data_args, _, _ = train.parse_args(
+        [
+            str(RECIPES / "configs/tiny_cpu.yaml"),
+            "--media_root",
+            "/c",
+            "/v",
+            "--fps",
+            "2",
+            "--row_format",
+            "llava",
+            "messages",
+        ]
+    )
     assert (data_args.media_root, data_args.fps, data_args.row_format) == (["/c", "/v"], [2.0], ["llava", "messages"])
 
 
@@ -129,7 +148,11 @@ def test_eval_rows_are_held_out_or_read_from_files(train, tmp_path):
 def _launch_env(path: Path) -> tuple[object, dict[str, str]]:
     """What `accelerate launch --config_file path` validates and exports, without launching."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
 
     args, defaults, mp_from_config = _validate_launch_command(
         launch_command_parser().parse_args(["--config_file", str(path), "recipes/train.py"])
@@ -195,7 +218,7 @@ def _write_data(root: Path) -> Path:
         {"conversations": turn("Hi", "Hello, how can I help?"), "images": []},
         {"conversations": turn("<image>\n<image>\nCompare them.", "The first is wider."), "images": ["a.png", "b.png"]},
         {"conversations": turn("What colour is the sky?", "Blue, mostly."), "images": []},
-    ] * 4  # fmt: skip
+    ] * 4
     path = root / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -213,10 +236,19 @@ def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     model_dir = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
     data = _write_data(tmp_path / "data")
-    trainer = train.main([
-        str(RECIPES / "configs/tiny_cpu.yaml"), "--model_name_or_path", str(model_dir), "--dataset_path", str(data),
-        "--image_root", str(tmp_path / "data" / "images"), "--output_dir", str(tmp_path / "out"),
-    ])  # fmt: skip
+    trainer = train.main(
+        [
+            str(RECIPES / "configs/tiny_cpu.yaml"),
+            "--model_name_or_path",
+            str(model_dir),
+            "--dataset_path",
+            str(data),
+            "--image_root",
+            str(tmp_path / "data" / "images"),
+            "--output_dir",
+            str(tmp_path / "out"),
+        ]
+    )
     assert trainer.state.global_step == 2
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
@@ -238,11 +270,27 @@ def test_train_py_fails_loudly_when_no_row_is_usable(train, tmp_path, monkeypatc
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     model_dir = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
     (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
-    row = {"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nWhat happens?"},
-                                                  {"from": "gpt", "value": "It rains."}]}
+    row = {
+        "video": "clip.mp4",
+        "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "It rains."}],
+    }
     (tmp_path / "videos.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(ValueError, match="yielded 0 of 2 rows: 2 unsupported_video"):
-        train.main([str(RECIPES / "configs/tiny_cpu.yaml"), "--model_name_or_path", str(model_dir),
-                    "--dataset_path", str(tmp_path / "videos.jsonl"), "--image_root", str(tmp_path),
-                    "--output_dir", str(tmp_path / "out"), "--eval_split", "0", "--eval_strategy", "no"])
+        train.main(
+            [
+                str(RECIPES / "configs/tiny_cpu.yaml"),
+                "--model_name_or_path",
+                str(model_dir),
+                "--dataset_path",
+                str(tmp_path / "videos.jsonl"),
+                "--image_root",
+                str(tmp_path),
+                "--output_dir",
+                str(tmp_path / "out"),
+                "--eval_split",
+                "0",
+                "--eval_strategy",
+                "no",
+            ]
+        )
     assert not (tmp_path / "out" / "model.safetensors").exists()

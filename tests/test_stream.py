@@ -36,8 +36,9 @@ def _rows(root: Path, n: int, seed: int, tag: str = "") -> list[dict]:
             names.append(name)
         question = "<image>" * k + "\nDescribe " + "and this " * int(rng.integers(0, 20))
         answer = f"{tag}answer " + "word " * int(rng.integers(1, 120))
-        rows.append({"image": names, "conversations": [{"from": "human", "value": question},
-                                                       {"from": "gpt", "value": answer}]})
+        rows.append(
+            {"image": names, "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
+        )
     return rows
 
 
@@ -100,8 +101,12 @@ def test_packs_respect_budgets_and_hold_every_sample_once(data, reference):
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_same_batches_whatever_num_workers(data, batch_size):
     def run(workers: int) -> list:
-        loader = DataLoader(make(data, batch_size=batch_size), batch_size=batch_size, num_workers=workers,
-                            collate_fn=lambda packs: ids(packs))
+        loader = DataLoader(
+            make(data, batch_size=batch_size),
+            batch_size=batch_size,
+            num_workers=workers,
+            collate_fn=lambda packs: ids(packs),
+        )
         return list(loader)
 
     base = run(0)
@@ -123,7 +128,9 @@ def test_rank_split_is_equal_disjoint_and_complete(data, reference, world_size):
     assert len(seen) + stats[0]["leftover_samples"] == len(all_samples) and set(seen) <= all_samples
     # same global plan on every rank: the ranks' packs are the reference packs minus the final incomplete group
     full = len(reference["ids"]) - stats[0]["leftover_packs"]
-    assert sorted(map(tuple, (p for rank_packs in packs for p in rank_packs))) == sorted(map(tuple, reference["ids"][:full]))
+    assert sorted(map(tuple, (p for rank_packs in packs for p in rank_packs))) == sorted(
+        map(tuple, reference["ids"][:full])
+    )
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -252,8 +259,11 @@ def test_mixing_keeps_per_source_counts(data, tmp_path):
         assert per["a"]["rows"] + per["b"]["rows"] == stats["rows_read"]
         assert per["a"]["samples"] + per["b"]["samples"] == stats["samples"] == sum(len(p) for p in packs)
         assert 2 < per["a"]["rows"] / per["b"]["rows"] < 5  # ~3:1
-        from_b = sum(s["input_ids"].numel() > 0 and "banswer" in data["processor"].tokenizer.decode(s["input_ids"])
-                     for p in packs for s in p)
+        from_b = sum(
+            s["input_ids"].numel() > 0 and "banswer" in data["processor"].tokenizer.decode(s["input_ids"])
+            for p in packs
+            for s in p
+        )
         assert from_b == per["b"]["samples"]
 
 
@@ -273,18 +283,32 @@ def test_bad_rows_are_counted_by_reason_and_logged_once(data, tmp_path, caplog):
     (root / "cut.png").write_bytes(good[: len(good) // 2])
     (tmp_path / "secret.png").write_bytes(good)
     refs = ["good.png", "missing.png", "missing2.png", "empty.png", "cut.png", "../secret.png", "good.png"]
-    rows = [{"image": [r], "conversations": [{"from": "human", "value": "<image>\nWhat?"},
-                                             {"from": "gpt", "value": "A thing."}]} for r in refs]
-    rows.append({"image": ["good.png"], "conversations": [{"from": "human", "value": "No placeholder"},
-                                                          {"from": "gpt", "value": "x"}]})
+    rows = [
+        {
+            "image": [r],
+            "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A thing."}],
+        }
+        for r in refs
+    ]
+    rows.append(
+        {
+            "image": ["good.png"],
+            "conversations": [{"from": "human", "value": "No placeholder"}, {"from": "gpt", "value": "x"}],
+        }
+    )
     rows.append({"image": [], "conversations": [{"from": "human", "value": "Only a question"}]})
     with caplog.at_level(logging.WARNING, logger="hf_packing"):
         train = make(data, Dataset.from_list(rows), image_root=str(root))
         packs = list(train)
     assert sorted(i for p in ids(packs) for i in p) == [0, 6]
-    assert train.stats(log=False)["skipped"] == {"missing_file": 2, "empty_image": 1, "corrupt_image": 1,
-                                                 "path_outside_root": 1, "placeholder_mismatch": 1,
-                                                 "no_assistant_turn": 1}
+    assert train.stats(log=False)["skipped"] == {
+        "missing_file": 2,
+        "empty_image": 1,
+        "corrupt_image": 1,
+        "path_outside_root": 1,
+        "placeholder_mismatch": 1,
+        "no_assistant_turn": 1,
+    }
     logged = [r.getMessage() for r in caplog.records]
     assert len(logged) == 6 and any("sample 1 (missing_file)" in m for m in logged)
 
@@ -303,8 +327,10 @@ def test_a_pack_whose_samples_all_fail_to_decode_is_replaced_by_a_filler(data, t
         out.append(struct.pack(">I", n) + kind + body + struct.pack(">I", zlib.crc32(kind + body)))
         pos += 12 + n
     (tmp_path / "bad.png").write_bytes(b"".join(out))
-    row = {"image": ["bad.png"], "conversations": [{"from": "human", "value": "<image>\nWhat?"},
-                                                   {"from": "gpt", "value": "x"}]}
+    row = {
+        "image": ["bad.png"],
+        "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "x"}],
+    }
     train = make(data, Dataset.from_list([row]), image_root=str(tmp_path))
     (pack,) = list(train)
     assert len(pack) == 1 and pack[0]["num_tokens"] == 1 and (pack[0]["labels"] == -100).all()
@@ -317,8 +343,17 @@ def test_two_processes_with_uneven_shards(tmp_path):
     """torchrun --nproc_per_node 2 (gloo): equal pack counts, disjoint samples, totals add up; an all_reduce per
     pack would hang (and time out) if the ranks disagreed."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).parent / "multiproc_stream.py"), str(tmp_path), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(Path(__file__).parent / "multiproc_stream.py"),
+        str(tmp_path),
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -355,12 +390,25 @@ def test_messages_jsonl_with_mixed_part_keys(tmp_path, streaming):
     from datasets import load_dataset
 
     image(84, 56).save(tmp_path / "a.png")
-    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
-                        {"role": "assistant", "content": [{"type": "text", "text": "A box."}]}], "images": ["a.png"]}
+    row = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "A box."}]},
+        ],
+        "images": ["a.png"],
+    }
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(row) for _ in range(3)))
     ds = load_dataset("json", data_files=str(tmp_path / "d.jsonl"), split="train", streaming=streaming)
-    packs = list(pack_dataset(ds, load_processor("qwen2_5_vl"), max_length=512, image_root=tmp_path,
-                              on_error="raise", disable_progress=True))
+    packs = list(
+        pack_dataset(
+            ds,
+            load_processor("qwen2_5_vl"),
+            max_length=512,
+            image_root=tmp_path,
+            on_error="raise",
+            disable_progress=True,
+        )
+    )
     assert [len(p) for p in packs] == [3]
     assert all(int((s["input_ids"] == 151655).sum()) == 0 for p in packs for s in p)  # tiny vocab ids only
     assert all(s["image_grid_thw"].shape == (1, 3) for p in packs for s in p)
@@ -368,22 +416,34 @@ def test_messages_jsonl_with_mixed_part_keys(tmp_path, streaming):
 
 # ------------------------------------------------------------------------------------------------ real-data formats
 def _llava(question: str, answer: str, **media) -> dict:  # every key in every row: from_list reads the first's
-    return {"image": None, "video": None, **media,
-            "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
+    return {
+        "image": None,
+        "video": None,
+        **media,
+        "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}],
+    }
 
 
 def _messages(question: str, answer: str, images: list[str]) -> dict:
     parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-    return {"messages": [{"role": "user", "content": parts},
-                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}], "images": images}
+    return {
+        "messages": [
+            {"role": "user", "content": parts},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ],
+        "images": images,
+    }
 
 
 def test_video_rows_are_skipped_never_trained_as_text(data, tmp_path):
     image(56, 56).save(tmp_path / "a.png")
     (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not decoded yet")
-    rows = [_llava("<image>\nWhat is this?", "A square.", image="a.png"), _llava("Hello?", "Hi."),
-            _llava("<video>\nWhat happens?", "Rain.", video="missing.mp4"),
-            _llava("<video>\nWhat happens?", "Rain.", video="clip.mp4")]
+    rows = [
+        _llava("<image>\nWhat is this?", "A square.", image="a.png"),
+        _llava("Hello?", "Hi."),
+        _llava("<video>\nWhat happens?", "Rain.", video="missing.mp4"),
+        _llava("<video>\nWhat happens?", "Rain.", video="clip.mp4"),
+    ]
     train = make(data, Dataset.from_list(rows), image_root=str(tmp_path))
     assert ids(train) == [[0, 1]]
     assert train.stats(log=False)["skipped"] == {"missing_file": 1, "unsupported_video": 1}
@@ -407,8 +467,9 @@ def test_a_mix_of_row_formats_keeps_both_sources(data, tmp_path, streaming):
     assert stats["skipped"] == {}
     assert {n: v["samples"] for n, v in stats["per_source"].items()} == {"llava": 6, "messages": 6}
     text = data["processor"].tokenizer.decode
-    assert sorted(text(s["input_ids"]).split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0] for s in samples) \
-        == sorted([f"llava {k}" for k in range(6)] + [f"messages {k}" for k in range(6)])
+    assert sorted(
+        text(s["input_ids"]).split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0] for s in samples
+    ) == sorted([f"llava {k}" for k in range(6)] + [f"messages {k}" for k in range(6)])
     # the same conversation gives the same tokens in either format
     rows = (_llava("<image>\nWhat is this?", "x", image="a.png"), _messages("What is this?", "x", ["a.png"]))
     one = [list(make(data, Dataset.from_list([r]), image_root=str(tmp_path / "coco")))[0][0]["input_ids"] for r in rows]
@@ -419,15 +480,22 @@ def test_a_stream_that_yields_nothing_is_an_error(data, tmp_path):
     from hf_packing.formats import NoSamplesError
 
     (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
-    videos = Dataset.from_list([_llava("<video>\nWhat happens?", "Rain.", video="clip.mp4")] * 3
-                               + [_llava("<video>\nAnd here?", "Sun.", video="gone.mp4")])
+    videos = Dataset.from_list(
+        [_llava("<video>\nWhat happens?", "Rain.", video="clip.mp4")] * 3
+        + [_llava("<video>\nAnd here?", "Sun.", video="gone.mp4")]
+    )
     with pytest.raises(NoSamplesError, match=r"^the dataset yielded 0 of 4 rows: 3 unsupported_video, 1 missing_file"):
         list(make(data, videos, image_root=str(tmp_path)))
     with pytest.raises(NoSamplesError, match="yielded 0 of 4 rows"):
         make(data, videos, image_root=str(tmp_path)).count_packs()
     texts = Dataset.from_list([_llava("Hello?", "Hi.")] * 4)
-    mix = make(data, {"text": texts, "videos": videos}, image_root=None, media_root={"videos": str(tmp_path)},
-               stopping_strategy="all_exhausted")
+    mix = make(
+        data,
+        {"text": texts, "videos": videos},
+        image_root=None,
+        media_root={"videos": str(tmp_path)},
+        stopping_strategy="all_exhausted",
+    )
     with pytest.raises(NoSamplesError, match=r"source 'videos' yielded 0 of 4 rows: 3 unsupported_video, 1 missing"):
         list(DataLoader(mix, batch_size=None, num_workers=1))  # raised in the worker, re-raised here
     with pytest.raises(NoSamplesError, match="1 pack planned, none for any of world_size=2 ranks"):

@@ -16,8 +16,11 @@ VS, VE, IMG = TOKEN_IDS["<|vision_start|>"], TOKEN_IDS["<|vision_end|>"], TOKEN_
 def _samples() -> list[list[dict]]:
     """Two packs: [a(5), b(9, one 4x4-patch image -> 4 placeholders)], [c(2)]."""
     a = {"input_ids": torch.tensor([1, 2, 3, 4, 5])}
-    b = {"input_ids": torch.tensor([VS, IMG, IMG, IMG, IMG, VE, 7, 8, 9]), "image_grid_thw": torch.tensor([[1, 4, 4]]),
-         "pixel_values": torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0))}  # fmt: skip
+    b = {
+        "input_ids": torch.tensor([VS, IMG, IMG, IMG, IMG, VE, 7, 8, 9]),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "pixel_values": torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0)),
+    }
     c = {"input_ids": torch.tensor([10, 11])}
     return [[a, b], [c]]
 
@@ -43,8 +46,15 @@ def test_exact_counts_through_a_tiny_model_forward(model, mode, slots):
         model.train()
         telemetry.detach()
     assert not model._forward_pre_hooks
-    expected = {"real_tokens": 16, "slots": slots, "sum_sq_lens": 5**2 + 9**2 + 2**2, "images": 1, "videos": 0,
-                "vision_patches": 16, "forwards": 1}  # fmt: skip
+    expected = {
+        "real_tokens": 16,
+        "slots": slots,
+        "sum_sq_lens": 5**2 + 9**2 + 2**2,
+        "images": 1,
+        "videos": 0,
+        "vision_patches": 16,
+        "forwards": 1,
+    }
     assert {k: counts[k] for k in expected} == expected
 
 
@@ -57,8 +67,11 @@ def test_counts_any_collator_and_boundary_kwargs():
 
     module, telemetry = Dummy(), PackingTelemetry()
     telemetry.attach(module)
-    module(input_ids=torch.zeros(1, 10, dtype=torch.long), cu_seqlens=torch.tensor([0, 3, 10], dtype=torch.int32),
-           video_grid_thw=torch.tensor([[2, 4, 6]]))  # fmt: skip
+    module(
+        input_ids=torch.zeros(1, 10, dtype=torch.long),
+        cu_seqlens=torch.tensor([0, 3, 10], dtype=torch.int32),
+        video_grid_thw=torch.tensor([[2, 4, 6]]),
+    )
     module(input_ids=torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]))
     module(torch.zeros(2, 3, dtype=torch.long))  # positional input_ids, no boundaries: each row one document
     counts = telemetry.counts()
@@ -102,16 +115,23 @@ def test_linear_attention_layers_count_linear_in_tokens():
     counts = ModelFlops.from_model(build_tiny_model("qwen3_5"))
     assert (counts.n_layers, counts.n_linear_layers, counts.linear_state) == (1, 1, 4 * 16 * 16)
     no_params = ModelFlops(0, 0, counts.n_layers, counts.attn_dim, True, counts.n_linear_layers, counts.linear_state)
-    one_doc, two_docs = (no_params.flops(real_tokens=t, sum_sq_lens=sq, vision_patches=0)
-                         for t, sq in ((1000, 1000**2), (1000, 2 * 500**2)))
+    one_doc, two_docs = (
+        no_params.flops(real_tokens=t, sum_sq_lens=sq, vision_patches=0)
+        for t, sq in ((1000, 1000**2), (1000, 2 * 500**2))
+    )
     assert one_doc == pytest.approx(6 * 1 * 256 * 1000**2 + 18 * 1 * 1024 * 1000)
     assert one_doc - two_docs == pytest.approx(6 * 256 * (1000**2 - 2 * 500**2))  # only softmax depends on len²
 
 
 def test_peak_from_device_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for name, peak in [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
-                       ("NVIDIA H100 PCIe", 756.0), ("NVIDIA GeForce RTX 4090", None)]:  # fmt: skip
+    for name, peak in [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA GeForce RTX 4090", None),
+    ]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
         assert default_peak_tflops() == peak
 
@@ -140,18 +160,31 @@ def test_trainer_logs_keys_before_reporters(tmp_path):
             seen.append(dict(logs))
 
     packs = [_samples()[0], _samples()[1]]  # one pack per optimizer step: 14 tokens in 2 rows, then 2 in 1 row
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, max_steps=2, logging_steps=1,
-                             report_to=[], save_strategy="no", use_cpu=True, remove_unused_columns=False,
-                             dataloader_num_workers=0, disable_tqdm=True)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=1,
+        max_steps=2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     tiny = build_tiny_model("qwen2_5_vl")
     collator = VisionCollator(load_processor("qwen2_5_vl"), model_config=tiny.config)
-    trainer = Trainer(model=tiny, args=args, train_dataset=_Packs(packs), data_collator=collator, callbacks=[Reporter()])
+    trainer = Trainer(
+        model=tiny, args=args, train_dataset=_Packs(packs), data_collator=collator, callbacks=[Reporter()]
+    )
     telemetry = add_telemetry(trainer, max_length=16, peak_tflops=1.0)
     assert trainer.callback_handler.callbacks[0] is telemetry and telemetry.dataset is trainer.train_dataset
     trainer.train()
 
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(logs) == 2 and [s for s in seen if "loss" in s] == [{k: v for k, v in h.items() if k != "step"} for h in logs]
+    assert len(logs) == 2 and [s for s in seen if "loss" in s] == [
+        {k: v for k, v in h.items() if k != "step"} for h in logs
+    ]
     first, second = logs
     assert first["packing/pack_fill"] == pytest.approx(14 / 16) and second["packing/pack_fill"] == pytest.approx(2 / 16)
     assert first["packing/padding_ratio"] == pytest.approx(1 - 14 / 18) and second["packing/padding_ratio"] == 0.0

@@ -1,4 +1,4 @@
-"""Tests for ``hf_packing.testing.tiny``: local tiny Qwen-VL processors (committed fixtures) and random-weight models."""
+"""``hf_packing.testing.tiny``: local tiny Qwen-VL processors (committed fixtures) and random-weight models."""
 
 from __future__ import annotations
 
@@ -93,7 +93,9 @@ def _assert_image_tokens(batch, merge: int = 2) -> None:
 @per_family
 def test_fixture_processor_class(model_type: str, processor) -> None:
     assert type(processor).__name__ == PROCESSOR_CLASS[model_type]
-    assert type(processor.tokenizer).__name__ == ("Qwen3_5Tokenizer" if model_type.startswith("qwen3_5") else "Qwen2Tokenizer")
+    assert type(processor.tokenizer).__name__ == (
+        "Qwen3_5Tokenizer" if model_type.startswith("qwen3_5") else "Qwen2Tokenizer"
+    )
     assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"
     assert processor.image_processor.patch_size == (16 if model_type.startswith("qwen3") else 14)
     assert sum(f.stat().st_size for f in (FIXTURES / model_type).iterdir()) < 1_000_000
@@ -239,6 +241,8 @@ def test_save_tiny_checkpoint_roundtrip(model_type: str, tmp_path: Path) -> None
 
 
 def test_import_is_side_effect_free() -> None:
-    code = "import sys, hf_packing, hf_packing.testing.tiny; print('transformers' in sys.modules, 'torch' in sys.modules)"
+    code = (
+        "import sys, hf_packing, hf_packing.testing.tiny; print('transformers' in sys.modules, 'torch' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]

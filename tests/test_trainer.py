@@ -19,10 +19,22 @@ def _one_sgd_step(tmp_path, packs, *, batch_size: int, accumulation: int, patche
     if patched:
         hf_packing.apply_rmpad("qwen2_5_vl")
     args = TrainingArguments(
-        output_dir=str(tmp_path / f"run{batch_size}{accumulation}{patched}"), per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1.0, optim="sgd",
-        lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, report_to=[], save_strategy="no",
-        use_cpu=True, remove_unused_columns=False, dataloader_num_workers=0, logging_steps=1, seed=0,
+        output_dir=str(tmp_path / f"run{batch_size}{accumulation}{patched}"),
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        max_steps=1,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        logging_steps=1,
+        seed=0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=packs, data_collator=VisionCollator(processor))
     trainer.train()
@@ -49,7 +61,7 @@ def test_accumulated_step_equals_one_big_batch_when_patched(tmp_path, packs):
 
 
 def test_unpatched_accumulation_averages_per_micro_batch(tmp_path, packs):
-    """The problem the patch fixes: Qwen2.5-VL ships accepts_loss_kwargs=False, so the Trainer averages per micro-batch."""
+    """What the patch fixes: Qwen2.5-VL ships accepts_loss_kwargs=False, so the Trainer averages per micro-batch."""
     whole = _one_sgd_step(tmp_path, packs, batch_size=2, accumulation=1, patched=False)
     accumulated = _one_sgd_step(tmp_path, packs, batch_size=1, accumulation=2, patched=False)
     diff = _max_rel_diff(accumulated, whole)
@@ -66,10 +78,13 @@ def test_keep_rank_packs_undoes_accelerates_second_sharding():
     from hf_packing import pack_dataset
     from hf_packing.trainer import keep_rank_packs
 
-    rows = [{"messages": [{"role": "user", "content": "word " * (5 + 7 * i)}, {"role": "assistant", "content": "ok"}]}
-            for i in range(12)]
-    packs = pack_dataset(Dataset.from_list(rows), load_processor("qwen2_vl"), max_length=160, rank=1, world_size=2,
-                         disable_progress=True)
+    rows = [
+        {"messages": [{"role": "user", "content": "word " * (5 + 7 * i)}, {"role": "assistant", "content": "ok"}]}
+        for i in range(12)
+    ]
+    packs = pack_dataset(
+        Dataset.from_list(rows), load_processor("qwen2_vl"), max_length=160, rank=1, world_size=2, disable_progress=True
+    )
     own = [[s["index"] for s in p] for p in packs]
     assert len(own) >= 2
 

@@ -47,8 +47,9 @@ def write_parquet(path: Path, n: int, *, seed: int, start: int, images: str, bad
             pngs.append({"bytes": data[: len(data) // 2] if bad.get(i) == "corrupt_image" else data, "path": None})
         question = "<image>\n" * k + f"Row {i}: describe " + "this " * int(rng.integers(0, 12))
         answer = "word " * (400 if bad.get(i) == "overlong" else int(rng.integers(2, 60)))
-        rows.append({"image": pngs, "conversations": [{"from": "human", "value": question},
-                                                      {"from": "gpt", "value": answer}]})
+        rows.append(
+            {"image": pngs, "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
+        )
     Dataset.from_list(rows, features=features).to_parquet(str(path))
 
 
@@ -70,21 +71,42 @@ def uneven_data(tmp_path_factory) -> list[str]:
     return files
 
 
-def launch(work: Path, timeout: float, *, helper: Path = HELPER, **config
-           ) -> tuple[subprocess.CompletedProcess | None, list[dict], float]:
+def launch(
+    work: Path, timeout: float, *, helper: Path = HELPER, **config
+) -> tuple[subprocess.CompletedProcess | None, list[dict], float]:
     """torchrun --nproc_per_node 2 ``helper`` on CONFIG.json (``config``); returns (process or None if it timed out,
     rank results, seconds)."""
     work.mkdir(parents=True, exist_ok=True)
-    config = {"out": str(work / "out"), "output_dir": str(work / "trainer"), "max_length": MAX_LENGTH,
-              "pg_timeout": 60, **config}
+    config = {
+        "out": str(work / "out"),
+        "output_dir": str(work / "trainer"),
+        "max_length": MAX_LENGTH,
+        "pg_timeout": 60,
+        **config,
+    }
     (work / "config.json").write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(helper),
-           str(work / "config.json")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{Path(__file__).parent}",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(helper),
+        str(work / "config.json"),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{Path(__file__).parent}",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # its own process group: a hang is killed with every rank
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )  # its own process group: a hang is killed with every rank
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -100,7 +122,7 @@ def launch(work: Path, timeout: float, *, helper: Path = HELPER, **config
 def failure(proc) -> str:
     """The first rank's traceback (torchrun's own summary hides it at the end of stderr)."""
     start = proc.stderr.find("Traceback")
-    return proc.stdout[-2000:] + proc.stderr[max(start, 0):][:6000] + "\n...\n" + proc.stderr[-1500:]
+    return proc.stdout[-2000:] + proc.stderr[max(start, 0) :][:6000] + "\n...\n" + proc.stderr[-1500:]
 
 
 def check_ok(proc, results, seconds, label: str) -> None:
@@ -143,12 +165,15 @@ def test_ddp_ranks_take_equal_steps_on_disjoint_samples(uneven_run):
     assert [s0["samples"], s1["samples"]] == [len(seen[0]), len(seen[1])] and s0["packs"] == s1["packs"] == n
     assert s0["rows_read"] == sum(SHARDS) and s0["complete"] and s1["complete"]
     skipped = sum(s0["skipped_while_planning"].values()) + sum(
-        sum(s["skipped_while_processing"].values()) for s in (s0, s1))
+        sum(s["skipped_while_processing"].values()) for s in (s0, s1)
+    )
     assert set(s0["skipped"]) | set(s1["skipped"]) == {"corrupt_image", "overlong"}
     assert not set(seen[0] + seen[1]) & set(BAD)
     assert len(seen[0]) + len(seen[1]) + s0["leftover_samples"] + skipped == sum(SHARDS)
-    print(f"per rank: {n} steps; samples {len(seen[0])} + {len(seen[1])}, left over {s0['leftover_samples']} "
-          f"({s0['leftover_packs']} packs), skipped {s0['skipped']} / {s1['skipped']}")
+    print(
+        f"per rank: {n} steps; samples {len(seen[0])} + {len(seen[1])}, left over {s0['leftover_samples']} "
+        f"({s0['leftover_packs']} packs), skipped {s0['skipped']} / {s1['skipped']}"
+    )
 
 
 # ------------------------------------------------------------------------------------------ 2. FSDP2, text-only rank
@@ -165,8 +190,16 @@ def test_fsdp2_with_a_text_only_rank_completes_with_dummy_vision(tiny_model, spl
     """FSDP2 (accelerate's plugin, fsdp_version 2: `fully_shard` per decoder layer and vision block) on gloo, 3 steps,
     rank 0's packs all text-only and rank 1's all with images: with `apply_rmpad(dummy_vision=True)` both ranks run
     the vision tower at the same point of every forward, so their all-gathers / reduce-scatters pair up."""
-    proc, results, seconds = launch(tmp_path, 180, model=str(tiny_model), rank_data=split_data, max_steps=3, fsdp=True,
-                                    dummy_vision=True, pg_timeout=30)  # fmt: skip
+    proc, results, seconds = launch(
+        tmp_path,
+        180,
+        model=str(tiny_model),
+        rank_data=split_data,
+        max_steps=3,
+        fsdp=True,
+        dummy_vision=True,
+        pg_timeout=30,
+    )
     check_ok(proc, results, seconds, "FSDP2, dummy_vision=True")
     r0, r1 = results
     assert r0["fsdp_version"] == r1["fsdp_version"] == 2 and r0["sharded"] == r1["sharded"] == "DTensor"
@@ -179,8 +212,16 @@ def test_fsdp2_with_a_text_only_rank_fails_without_dummy_vision(tiny_model, spli
     """Control: without dummy_vision rank 0 skips the vision blocks, so it all-gathers decoder layer 0 while rank 1
     all-gathers vision block 0. Gloo sees the size mismatch and aborts within seconds (NCCL would hang until its
     timeout); a hang would hit the process-group timeout (20 s) or this test's (120 s). Either way: no clean exit."""
-    proc, results, seconds = launch(tmp_path, 120, model=str(tiny_model), rank_data=split_data, max_steps=3, fsdp=True,
-                                    dummy_vision=False, pg_timeout=20)  # fmt: skip
+    proc, results, seconds = launch(
+        tmp_path,
+        120,
+        model=str(tiny_model),
+        rank_data=split_data,
+        max_steps=3,
+        fsdp=True,
+        dummy_vision=False,
+        pg_timeout=20,
+    )
     print(f"FSDP2, dummy_vision=False: {seconds:.1f} s, {'hung' if proc is None else f'exit {proc.returncode}'}")
     assert proc is None or proc.returncode != 0
     if proc is not None:
@@ -210,8 +251,9 @@ def test_resume_in_a_new_process_continues_packs_and_loss(uneven_run, tiny_model
     uninterrupted run."""
     checkpoint = uneven_run["work"] / "trainer" / f"checkpoint-{K}"
     assert (checkpoint / "trainer_state.json").exists() and (checkpoint / "rng_state_1.pth").exists()
-    proc, resumed, seconds = launch(tmp_path, 240, model=str(tiny_model), data=uneven_data, max_steps=None,
-                                    resume=str(checkpoint))  # fmt: skip
+    proc, resumed, seconds = launch(
+        tmp_path, 240, model=str(tiny_model), data=uneven_data, max_steps=None, resume=str(checkpoint)
+    )
     check_ok(proc, resumed, seconds, "resumed run (Trainer fast-forward)")
     reference = uneven_run["results"]
     assert_continues(reference, resumed, K)
@@ -230,8 +272,9 @@ def test_resume_through_accelerates_stateful_dataloader(uneven_run, tiny_model, 
     check_ok(proc, full, seconds, "uninterrupted run, stateful dataloader")
     for plain, stateful in zip(uneven_run["results"], full):  # the stateful loader trains exactly the same steps
         assert [t["hash"] for t in stateful["trained"]] == [t["hash"] for t in plain["trained"]]
-        np.testing.assert_allclose([t["loss"] for t in stateful["trained"]], [t["loss"] for t in plain["trained"]],
-                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+        np.testing.assert_allclose(
+            [t["loss"] for t in stateful["trained"]], [t["loss"] for t in plain["trained"]], rtol=1e-5, atol=1e-6
+        )
     checkpoint = tmp_path / "full" / "trainer" / f"checkpoint-{K}"
     proc, resumed, seconds = launch(tmp_path / "resumed", 240, resume=str(checkpoint), **common)
     check_ok(proc, resumed, seconds, "resumed run (stateful dataloader)")

@@ -17,8 +17,15 @@ trl = pytest.importorskip("trl")
 
 
 def _rows(n: int) -> list[dict]:
-    return [{"messages": [{"role": "user", "content": f"Question {i} " * (i + 1)},
-                          {"role": "assistant", "content": f"Answer {i} " * (3 * i + 2)}]} for i in range(n)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"Question {i} " * (i + 1)},
+                {"role": "assistant", "content": f"Answer {i} " * (3 * i + 2)},
+            ]
+        }
+        for i in range(n)
+    ]
 
 
 def _train_losses(patched: bool, tmp_path) -> tuple[list[float], dict]:
@@ -28,12 +35,28 @@ def _train_losses(patched: bool, tmp_path) -> tuple[list[float], dict]:
     model, processor = model_and_processor("qwen3_vl")
     if patched:
         hf_packing.apply_rmpad("qwen3_vl")
-    args = trl.SFTConfig(str(tmp_path / f"out{patched}"), padding_free=True, max_length=None,
-                         per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=2,
-                         learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1,
-                         disable_tqdm=True, seed=0)
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(_rows(8)),
-                             eval_dataset=Dataset.from_list(_rows(4)), processing_class=processor.tokenizer)
+    args = trl.SFTConfig(
+        str(tmp_path / f"out{patched}"),
+        padding_free=True,
+        max_length=None,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        max_steps=2,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(_rows(8)),
+        eval_dataset=Dataset.from_list(_rows(4)),
+        processing_class=processor.tokenizer,
+    )
     trainer.train()
     metrics = trainer.evaluate()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], metrics
@@ -42,7 +65,9 @@ def _train_losses(patched: bool, tmp_path) -> tuple[list[float], dict]:
 def test_sft_trainer_padding_free_text_rows_unchanged_by_the_patch(tmp_path):
     ref_losses, ref_metrics = _train_losses(False, tmp_path)
     losses, metrics = _train_losses(True, tmp_path)
-    print(f"SFTTrainer padding_free: losses {ref_losses} vs {losses}; eval {ref_metrics['eval_loss']:.6f} vs "
-          f"{metrics['eval_loss']:.6f}")
+    print(
+        f"SFTTrainer padding_free: losses {ref_losses} vs {losses}; eval {ref_metrics['eval_loss']:.6f} vs "
+        f"{metrics['eval_loss']:.6f}"
+    )
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert metrics["eval_loss"] == pytest.approx(ref_metrics["eval_loss"], rel=1e-5)

@@ -28,7 +28,11 @@ def test_unpad_pad_roundtrip_and_boundaries():
 
 @pytest.mark.parametrize(
     "mask, message",
-    [([[1, 0, 1]], "row 0 has a hole"), ([[1, 1, 0], [0, 2, 1]], "row 1 has values"), ([[1, 1], [0, 0]], "row 1 is all padding")],
+    [
+        ([[1, 0, 1]], "row 0 has a hole"),
+        ([[1, 1, 0], [0, 2, 1]], "row 1 has values"),
+        ([[1, 1], [0, 0]], "row 1 is all padding"),
+    ],
 )
 def test_bad_masks_name_the_row(mask, message):
     with pytest.raises(ValueError, match=message):
@@ -72,7 +76,9 @@ def test_torch_varlen_wiring_with_stand_in(monkeypatch, signature):
 
     fn = old if signature == "old" else new
     monkeypatch.setattr(_compat, "torch_varlen_attn", lambda: fn)
-    monkeypatch.setattr(_compat, "torch_varlen_params", lambda: frozenset(__import__("inspect").signature(fn).parameters))
+    monkeypatch.setattr(
+        _compat, "torch_varlen_params", lambda: frozenset(__import__("inspect").signature(fn).parameters)
+    )
     torch.manual_seed(1)
     seqlens = [4, 7]
     q, k, v = torch.randn(11, 4, 8), torch.randn(11, 2, 8), torch.randn(11, 2, 8)

@@ -50,11 +50,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import DemoConfig, run_demo
 
-        summary = run_demo(DemoConfig(
-            output_dir=args.output_dir, model=args.model, model_type=args.model_type, processor=args.processor,
-            dataset=args.dataset, num_samples=args.num_samples, max_length=args.max_length, strategy=args.strategy,
-            epochs=args.epochs, learning_rate=args.learning_rate, seed=args.seed,
-        ))
+        summary = run_demo(
+            DemoConfig(
+                output_dir=args.output_dir,
+                model=args.model,
+                model_type=args.model_type,
+                processor=args.processor,
+                dataset=args.dataset,
+                num_samples=args.num_samples,
+                max_length=args.max_length,
+                strategy=args.strategy,
+                epochs=args.epochs,
+                learning_rate=args.learning_rate,
+                seed=args.seed,
+            )
+        )
         first, last = summary["loss first -> last"]
         if not last < first:
             print(f"loss did not fall ({first:.3f} -> {last:.3f})", file=sys.stderr)

@@ -1,7 +1,8 @@
 """``hf-packing demo``: the whole stack on CPU in about two minutes.
 
 Generates a multimodal dataset on disk, saves a tiny random Qwen2.5-VL (or another family: ``model_type``) and
-its processor and loads them back with ``from_pretrained`` (the loading code a real checkpoint uses), packs at 2048 tokens, patches
+its processor and loads them back with ``from_pretrained`` (the loading code a real checkpoint uses), packs at 2048
+tokens, patches
 the model with `apply_rmpad` and trains with the HF Trainer and `VisionCollator`. Prints a summary and
 writes ``packs.png`` and ``loss.png``. Every step can point at the user's own model, processor and data.
 """
@@ -19,10 +20,10 @@ logger = logging.getLogger("hf_packing")
 @dataclass
 class DemoConfig:
     output_dir: Path
-    model: str | None = None          # a local checkpoint dir; default: a tiny random `model_type` saved here
-    model_type: str = "qwen2_5_vl"    # the tiny model's family when `model` is not given
-    processor: str | None = None      # default: the model dir
-    dataset: str | None = None        # a saved datasets dir or json/jsonl/parquet; default: generated here
+    model: str | None = None  # a local checkpoint dir; default: a tiny random `model_type` saved here
+    model_type: str = "qwen2_5_vl"  # the tiny model's family when `model` is not given
+    processor: str | None = None  # default: the model dir
+    dataset: str | None = None  # a saved datasets dir or json/jsonl/parquet; default: generated here
     num_samples: int = 320
     max_length: int = 2048
     strategy: str = "bfd"
@@ -56,7 +57,9 @@ def load_any_dataset(path: str):
     suffix = p.suffix.lstrip(".") if p.is_file() else next((f.suffix.lstrip(".") for f in p.iterdir()), "")
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "arrow": "arrow"}.get(suffix)
     if builder is None:
-        raise ValueError(f"cannot read dataset at {path!r}: expected a saved datasets dir or json/jsonl/parquet/arrow files")
+        raise ValueError(
+            f"cannot read dataset at {path!r}: expected a saved datasets dir or json/jsonl/parquet/arrow files"
+        )
     return datasets.load_dataset(builder, data_files=str(p / f"*.{suffix}") if p.is_dir() else str(p), split="train")
 
 
@@ -66,8 +69,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
     from .. import VisionCollator, apply_rmpad, pack_dataset, prepare_trainer
-    from .plots import plot_loss, plot_packs
     from ..stream import PADDED_BATCH
+    from .plots import plot_loss, plot_packs
 
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -87,14 +90,25 @@ def run_demo(cfg: DemoConfig) -> dict:
     apply_rmpad(attn_backend="auto")
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     args = TrainingArguments(
-        output_dir=str(cfg.output_dir / "trainer"), per_device_train_batch_size=1, max_steps=cfg.epochs * len(packs),
-        learning_rate=cfg.learning_rate, lr_scheduler_type="cosine", warmup_steps=5, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=True, remove_unused_columns=False, dataloader_num_workers=0,
-        seed=cfg.seed, disable_tqdm=False,
+        output_dir=str(cfg.output_dir / "trainer"),
+        per_device_train_batch_size=1,
+        max_steps=cfg.epochs * len(packs),
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=5,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        seed=cfg.seed,
+        disable_tqdm=False,
     )
     collator = VisionCollator(processor, model_config=model.config)
-    trainer = prepare_trainer(Trainer(model=model, args=args, train_dataset=packed, data_collator=collator),
-                              max_length=cfg.max_length)
+    trainer = prepare_trainer(
+        Trainer(model=model, args=args, train_dataset=packed, data_collator=collator), max_length=cfg.max_length
+    )
     started = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - started
@@ -114,7 +128,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         "dropped/skipped": dict(packed.stats(log=False)["skipped"]),  # overlong drops are a skip reason
     }
     plot_packs(pack_ids, cfg.output_dir / "packs.png", max_length=cfg.max_length)
-    plot_loss([s for s, _ in history], [l for _, l in history], cfg.output_dir / "loss.png")
+    plot_loss([s for s, _ in history], [loss for _, loss in history], cfg.output_dir / "loss.png")
     print(format_summary(summary, cfg.output_dir))
     return summary
 

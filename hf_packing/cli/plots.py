@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 
 def _pyplot():
     try:
         import matplotlib
     except ImportError as err:
-        raise ImportError("the demo and `hf-packing stats` pictures need matplotlib: pip install 'hf_packing[cli]'") from err
+        raise ImportError(
+            "the demo and `hf-packing stats` pictures need matplotlib: pip install 'hf_packing[cli]'"
+        ) from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -18,8 +20,14 @@ def _pyplot():
     return plt
 
 
-def plot_packs(packs: Sequence[Sequence[tuple[int, int]]], path: str | Path, *, max_length: int,
-               batch_size: int = 8, max_rows: int = 12) -> Path:
+def plot_packs(
+    packs: Sequence[Sequence[tuple[int, int]]],
+    path: str | Path,
+    *,
+    max_length: int,
+    batch_size: int = 8,
+    max_rows: int = 12,
+) -> Path:
     """Packed batches next to padded batches of the same samples.
 
     Each bar is one batch; a sample's real tokens have the same colour in both panels, padding is grey.
@@ -61,7 +69,9 @@ def plot_packs(packs: Sequence[Sequence[tuple[int, int]]], path: str | Path, *, 
         ax.invert_yaxis()
         ax.set_xlabel("token slots")
         ax.set_ylabel("batch")
-    fig.suptitle(f"first {max_rows} batches of each; a colour is one sample's real tokens, grey is padding", fontsize=10)
+    fig.suptitle(
+        f"first {max_rows} batches of each; a colour is one sample's real tokens, grey is padding", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -82,8 +92,9 @@ def plot_loss(steps: Sequence[int], losses: Sequence[float], path: str | Path) -
     return Path(path)
 
 
-def plot_stats(fills: dict[str, Sequence[float]], sample_lengths: Sequence[int], path: str | Path,
-               max_length: int) -> Path:
+def plot_stats(
+    fills: dict[str, Sequence[float]], sample_lengths: Sequence[int], path: str | Path, max_length: int
+) -> Path:
     """Histogram of pack fill per strategy, and of sample lengths."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))

@@ -46,20 +46,34 @@ def run_stats(args: argparse.Namespace) -> dict[str, dict]:
 
     processor = AutoProcessor.from_pretrained(args.processor)
     dataset = load_any_dataset(args.data)
-    preprocessor = Preprocessor(processor, max_length=None, media_root=args.media_root, video_root=args.video_root,
-                                fps=args.fps, row_format=source_formats(dataset, args.row_format)[None])
+    preprocessor = Preprocessor(
+        processor,
+        max_length=None,
+        media_root=args.media_root,
+        video_root=args.video_root,
+        fps=args.fps,
+        row_format=source_formats(dataset, args.row_format)[None],
+    )
     lengths, images, patches, skipped = collect_metadata(dataset, preprocessor, show_progress=sys.stderr.isatty())
     if not lengths:
         raise SystemExit(f"no usable samples in {args.data}; skipped: {dict(skipped)}")
     results, fills = {}, {}
     for strategy in args.strategy:
         packs = plan_packs(
-            lengths, max_length=args.max_length, strategy=strategy, images=images, max_images=args.max_images,
-            vision_patches=patches, max_vision_patches=args.max_vision_patches, buffer_size=args.buffer_size,
+            lengths,
+            max_length=args.max_length,
+            strategy=strategy,
+            images=images,
+            max_images=args.max_images,
+            vision_patches=patches,
+            max_vision_patches=args.max_vision_patches,
+            buffer_size=args.buffer_size,
         )
         stats = pack_stats(packs, lengths, args.max_length, images=images)
         placed = {i for pack in packs for i in pack}
-        dropped = Counter(_drop_reason(i, lengths, images, patches, args) for i in range(len(lengths)) if i not in placed)
+        dropped = Counter(
+            _drop_reason(i, lengths, images, patches, args) for i in range(len(lengths)) if i not in placed
+        )
         results[strategy] = {**stats, "dropped": dict(dropped), "skipped": dict(skipped)}  # reasons, not the count
         fills[strategy] = [sum(lengths[i] for i in p) / args.max_length for p in packs]
     print(format_table(results, len(lengths) + sum(skipped.values()), args))

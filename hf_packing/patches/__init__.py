@@ -10,7 +10,7 @@ replaced by boundary-aware ones (see `_linear`). Once for all families it wraps 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .. import _compat
 from ..linear_attention import LINEAR_BACKENDS
@@ -45,12 +45,15 @@ def _check_backend(attn_backend: str, linear_backend: str) -> None:
     if linear_backend not in ("auto",) + LINEAR_BACKENDS:
         raise ValueError(f"unknown linear_backend {linear_backend!r}; choose one of {('auto',) + LINEAR_BACKENDS}")
     if linear_backend == "fla" and _compat.fla_linear_ops() is None:
-        raise RuntimeError("linear_backend='fla' needs flash-linear-attention (pip install 'hf_packing[linear]'); "
-                           "or use 'auto'")
+        raise RuntimeError(
+            "linear_backend='fla' needs flash-linear-attention (pip install 'hf_packing[linear]'); or use 'auto'"
+        )
     if attn_backend not in ("auto",) + BACKENDS:
         raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {('auto',) + BACKENDS}")
     if attn_backend == "flash_attn" and _compat.flash_attn_varlen_module() is None:
-        raise RuntimeError("attn_backend='flash_attn' needs flash-attn (pip install 'hf_packing[flash]'); or use 'auto'")
+        raise RuntimeError(
+            "attn_backend='flash_attn' needs flash-attn (pip install 'hf_packing[flash]'); or use 'auto'"
+        )
     if attn_backend == "torch_varlen" and _compat.torch_varlen_attn() is None:
         raise RuntimeError("attn_backend='torch_varlen' needs torch>=2.9 (torch.nn.attention.varlen); or use 'auto'")
 
@@ -62,9 +65,13 @@ def _registry_patches(options: RmpadOptions, families: list[FamilySpec]) -> list
     text, vision = tuple(c[1] for c in classes), tuple(c[2] for c in classes)
     registered = AttentionInterface()
     return [
-        RegistryPatch(AttentionInterface, key, make_dispatcher(registered[key], backend=options.attn_backend,
-                                                               text_classes=text, vision_classes=vision))
-        for key in WRAPPED_IMPLEMENTATIONS if key in registered
+        RegistryPatch(
+            AttentionInterface,
+            key,
+            make_dispatcher(registered[key], backend=options.attn_backend, text_classes=text, vision_classes=vision),
+        )
+        for key in WRAPPED_IMPLEMENTATIONS
+        if key in registered
     ]
 
 

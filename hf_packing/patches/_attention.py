@@ -12,7 +12,7 @@ depends on a config switch that gradient checkpointing's recomputation could mis
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -50,8 +50,9 @@ class _VisionBoundaries:
         return seqs if max_seqlen is None else PackedSequences(seqs.cu_seqlens, int(max_seqlen), seqs.seqlens)
 
 
-def make_dispatcher(original: Callable, *, backend: str, text_classes: tuple[type, ...],
-                    vision_classes: tuple[type, ...]) -> Callable:
+def make_dispatcher(
+    original: Callable, *, backend: str, text_classes: tuple[type, ...], vision_classes: tuple[type, ...]
+) -> Callable:
     """Wrap a registered attention function with the varlen route described in the module docstring."""
     vision_boundaries = _VisionBoundaries()
 
@@ -67,9 +68,15 @@ def make_dispatcher(original: Callable, *, backend: str, text_classes: tuple[typ
         scale = kwargs.get("scaling")
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         out = varlen_attention(
-            _to_flat(query), _to_flat(key), _to_flat(value), seqs,
-            causal=causal, scale=scale, backend=backend,
-            window=kwargs.get("sliding_window"), dropout=kwargs.get("dropout", 0.0) or 0.0,
+            _to_flat(query),
+            _to_flat(key),
+            _to_flat(value),
+            seqs,
+            causal=causal,
+            scale=scale,
+            backend=backend,
+            window=kwargs.get("sliding_window"),
+            dropout=kwargs.get("dropout", 0.0) or 0.0,
         )
         return out.unsqueeze(0), None
 
@@ -93,8 +100,9 @@ def make_vision_flash_check(original: Callable) -> Callable:
             and getattr(config, "_attn_implementation", None) in WRAPPED_IMPLEMENTATIONS
         ):
             return True
-        return original(config=config, requested_attention_implementation=requested_attention_implementation,
-                        version=version)
+        return original(
+            config=config, requested_attention_implementation=requested_attention_implementation, version=version
+        )
 
     is_flash_attention_requested.__wrapped__ = original
     return is_flash_attention_requested

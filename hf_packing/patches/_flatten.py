@@ -85,9 +85,12 @@ def _row_restarts(text_positions: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(step != 1, (1, 0), value=False)
 
 
-def sequence_boundaries(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                        position_ids: torch.Tensor | None,
-                        cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, PackedSequences]:
+def sequence_boundaries(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, PackedSequences]:
     """The flat indices of real tokens and the sequences they form (see the module docstring).
 
     Args:
@@ -150,9 +153,16 @@ def sequence_boundaries(input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     return indices, PackedSequences.from_seqlens(seqlens, device=input_ids.device)
 
 
-def rope_positions(model, spec: FamilySpec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   mm_token_type_ids: torch.Tensor | None, image_grid_thw, video_grid_thw,
-                   extra: dict[str, Any]) -> torch.Tensor:
+def rope_positions(
+    model,
+    spec: FamilySpec,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    mm_token_type_ids: torch.Tensor | None,
+    image_grid_thw,
+    video_grid_thw,
+    extra: dict[str, Any],
+) -> torch.Tensor:
     """M-RoPE positions ``(3, B, L)`` of rows holding one sequence each, from the family's own ``get_rope_index``.
 
     Without images or videos every row's positions are ``0..n-1`` on all three rows, which is what
@@ -168,17 +178,29 @@ def rope_positions(model, spec: FamilySpec, input_ids: torch.Tensor, attention_m
         )
         mm_token_type_ids = mm_token_types(input_ids, model.config)
     position_ids, _ = model.model.get_rope_index(
-        input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=image_grid_thw,
-        video_grid_thw=video_grid_thw, attention_mask=attention_mask,
+        input_ids,
+        mm_token_type_ids=mm_token_type_ids,
+        image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw,
+        attention_mask=attention_mask,
         **{k: v for k, v in extra.items() if v is not None},
     )
     return position_ids
 
 
-def flatten_batch(model, spec: FamilySpec, *, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                  position_ids: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-                  mm_token_type_ids: torch.Tensor | None, image_grid_thw, video_grid_thw,
-                  extra: dict[str, Any]) -> FlatBatch:
+def flatten_batch(
+    model,
+    spec: FamilySpec,
+    *,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    mm_token_type_ids: torch.Tensor | None,
+    image_grid_thw,
+    video_grid_thw,
+    extra: dict[str, Any],
+) -> FlatBatch:
     """Remove the padding once: the caller's ``(B, L)`` batch as a `FlatBatch` (checks placeholders per sequence)."""
     batch, length = input_ids.shape
     indices, seqs = sequence_boundaries(input_ids, attention_mask, position_ids, cu_seqlens)
@@ -192,15 +214,15 @@ def flatten_batch(model, spec: FamilySpec, *, input_ids: torch.Tensor, attention
                 f"the batch packs {len(seqs.seqlens)} sequences into {batch} rows; packed rows need their "
                 "per-sample position_ids (VisionCollator computes them)"
             )
-        mrope = rope_positions(model, spec, input_ids, attention_mask, mm_token_type_ids, image_grid_thw,
-                               video_grid_thw, extra)
+        mrope = rope_positions(
+            model, spec, input_ids, attention_mask, mm_token_type_ids, image_grid_thw, video_grid_thw, extra
+        )
     flat_pos = mrope.flatten(1).index_select(1, indices.to(mrope.device)).unsqueeze(1)
     flat_types = None if mm_token_type_ids is None else mm_token_type_ids.flatten().index_select(0, indices)[None]
     return FlatBatch(flat_ids, flat_pos, flat_types, indices, seqs, batch, length)
 
 
-def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw,
-                       video_grid_thw) -> None:
+def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw) -> None:
     """Each sequence's image/video placeholder count must equal the tokens of the items (in order) that belong
     to it; otherwise features would land in the wrong sample. Raises `ValueError` with transformers' wording
     ("Image features and image tokens do not match") plus the sequence it concerns."""
@@ -213,8 +235,10 @@ def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, im
     merge = config.vision_config.spatial_merge_size
     for kind, row_counts, grid in zip(("image", "video"), counts.tolist(), (image_grid_thw, video_grid_thw)):
         per_item = [] if grid is None else [t * h * w // merge**2 for t, h, w in grid.tolist()]
-        wording = f"{kind.capitalize()} features and {kind} tokens do not match, " \
-                  f"tokens: {sum(row_counts)}, features: {sum(per_item)}"
+        wording = (
+            f"{kind.capitalize()} features and {kind} tokens do not match, "
+            f"tokens: {sum(row_counts)}, features: {sum(per_item)}"
+        )
         item = 0
         for row, count in enumerate(row_counts):
             taken = 0
@@ -228,5 +252,7 @@ def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, im
                     "sample)"
                 )
         if item != len(per_item):
-            raise ValueError(f"{wording} (hf_packing: {kind}_grid_thw lists {len(per_item)} {kind}s but the "
-                             f"placeholders cover only {item})")
+            raise ValueError(
+                f"{wording} (hf_packing: {kind}_grid_thw lists {len(per_item)} {kind}s but the "
+                f"placeholders cover only {item})"
+            )

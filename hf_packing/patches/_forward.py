@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import inspect
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
@@ -100,8 +101,16 @@ def _iter_tensors(obj):
             yield from _iter_tensors(item)
 
 
-def _run_backbone(model, flat: FlatBatch, pixel_values, pixel_values_videos, image_grid_thw, video_grid_thw,
-                  model_kwargs: dict[str, Any], dummy_vision: bool):
+def _run_backbone(
+    model,
+    flat: FlatBatch,
+    pixel_values,
+    pixel_values_videos,
+    image_grid_thw,
+    video_grid_thw,
+    model_kwargs: dict[str, Any],
+    dummy_vision: bool,
+):
     """``model.model`` on the flat row; with ``dummy_vision`` a text-only batch still runs the vision tower.
 
     The dummy image runs exactly where real pixels would: right after the token embedding, before the decoder
@@ -119,9 +128,17 @@ def _run_backbone(model, flat: FlatBatch, pixel_values, pixel_values_videos, ima
         hook = model.model.get_input_embeddings().register_forward_hook(dummy_after_embedding)
     try:
         outputs = model.model(
-            input_ids=flat.input_ids, attention_mask=None, position_ids=flat.position_ids, pixel_values=pixel_values,
-            pixel_values_videos=pixel_values_videos, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-            mm_token_type_ids=flat.mm_token_type_ids, use_cache=False, return_dict=True, **model_kwargs,
+            input_ids=flat.input_ids,
+            attention_mask=None,
+            position_ids=flat.position_ids,
+            pixel_values=pixel_values,
+            pixel_values_videos=pixel_values_videos,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            mm_token_type_ids=flat.mm_token_type_ids,
+            use_cache=False,
+            return_dict=True,
+            **model_kwargs,
             **{PACKED_KWARG: flat.seqs},
         )
     finally:
@@ -130,8 +147,9 @@ def _run_backbone(model, flat: FlatBatch, pixel_values, pixel_values_videos, ima
     return outputs, (dummy[0] if dummy else None)
 
 
-def _loss_and_logits(model, hidden: torch.Tensor, flat: FlatBatch, labels, shift_labels, want_logits: bool,
-                     options: RmpadOptions) -> tuple[CrossEntropySum | None, torch.Tensor | None]:
+def _loss_and_logits(
+    model, hidden: torch.Tensor, flat: FlatBatch, labels, shift_labels, want_logits: bool, options: RmpadOptions
+) -> tuple[CrossEntropySum | None, torch.Tensor | None]:
     """Σ CE over the flat row's supervised positions (per-sequence shift) and/or its ``(T, V)`` logits.
 
     Without logits the head runs in checkpointed chunks on supervised rows only; with them, once on all rows.
@@ -142,8 +160,9 @@ def _loss_and_logits(model, hidden: torch.Tensor, flat: FlatBatch, labels, shift
     elif labels is not None:
         targets = shift_labels_per_sequence(flat.flatten(labels), flat.seqs.cu_seqlens)
     if not want_logits:
-        ce = linear_cross_entropy_sum(hidden, model.lm_head, targets, chunk_size=options.loss_chunk_size,
-                                      use_liger=options.use_liger)
+        ce = linear_cross_entropy_sum(
+            hidden, model.lm_head, targets, chunk_size=options.loss_chunk_size, use_liger=options.use_liger
+        )
         return ce, None
     logits = model.lm_head(hidden)
     return (None if targets is None else cross_entropy_sum(logits, targets)), logits
@@ -180,34 +199,54 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
         cu_seqlens = packing["cu_seqlens"] if packing["cu_seqlens"] is not None else hf_varlen.get("cu_seq_lens_q")
         num_items_in_batch = extra.pop("num_items_in_batch", None)
         logits_to_keep = call.pop("logits_to_keep", 0)
-        vision = {k: call.pop(k, None) for k in ("pixel_values", "pixel_values_videos", "image_grid_thw",
-                                                  "video_grid_thw")}
+        vision = {
+            k: call.pop(k, None) for k in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+        }
         rope_extra = {k: call.pop(k, extra.pop(k, None)) for k in spec.rope_kwargs}
         flat = flatten_batch(
-            self, spec, input_ids=input_ids, attention_mask=call.pop("attention_mask", None),
-            position_ids=call.pop("position_ids", None), cu_seqlens=cu_seqlens,
-            mm_token_type_ids=call.pop("mm_token_type_ids", None), image_grid_thw=vision["image_grid_thw"],
-            video_grid_thw=vision["video_grid_thw"], extra=rope_extra,
+            self,
+            spec,
+            input_ids=input_ids,
+            attention_mask=call.pop("attention_mask", None),
+            position_ids=call.pop("position_ids", None),
+            cu_seqlens=cu_seqlens,
+            mm_token_type_ids=call.pop("mm_token_type_ids", None),
+            image_grid_thw=vision["image_grid_thw"],
+            video_grid_thw=vision["video_grid_thw"],
+            extra=rope_extra,
         )
         model_kwargs = {**call, **extra, **{k: v for k, v in rope_extra.items() if v is not None}}
         if spec.moe:
             router = model_kwargs.get("output_router_logits")
             default = getattr(self.config.text_config, "output_router_logits", False)  # absent before 5.23
             model_kwargs["output_router_logits"] = default if router is None else router
-        outputs, dummy = _run_backbone(self, flat, vision["pixel_values"], vision["pixel_values_videos"],
-                                       vision["image_grid_thw"], vision["video_grid_thw"], model_kwargs,
-                                       options.dummy_vision and self.training and supervised)
+        outputs, dummy = _run_backbone(
+            self,
+            flat,
+            vision["pixel_values"],
+            vision["pixel_values_videos"],
+            vision["image_grid_thw"],
+            vision["video_grid_thw"],
+            model_kwargs,
+            options.dummy_vision and self.training and supervised,
+        )
         skip_logits = packing["skip_logits"]
         want_logits = not skip_logits if skip_logits is not None else not (supervised and self.training)
-        ce, flat_logits = _loss_and_logits(self, outputs.last_hidden_state[0], flat, labels, shift_labels,
-                                           want_logits, options)
+        ce, flat_logits = _loss_and_logits(
+            self, outputs.last_hidden_state[0], flat, labels, shift_labels, want_logits, options
+        )
         loss = None if ce is None else reduce_loss(ce.loss_sum, ce.num_supervised, num_items_in_batch)
         if loss is not None and dummy is not None:
             loss = loss + dummy
         logits = None if flat_logits is None else _keep_logits(flat.repad(flat_logits), logits_to_keep)
         hidden_states = outputs.get("hidden_states")
-        fields = dict(loss=loss, logits=logits, past_key_values=None, attentions=outputs.get("attentions"),
-                      hidden_states=None if hidden_states is None else tuple(flat.repad(h[0]) for h in hidden_states))
+        fields = dict(
+            loss=loss,
+            logits=logits,
+            past_key_values=None,
+            attentions=outputs.get("attentions"),
+            hidden_states=None if hidden_states is None else tuple(flat.repad(h[0]) for h in hidden_states),
+        )
         if spec.moe:
             fields.update(_moe_fields(self, spec, outputs, loss, ce, num_items_in_batch))
         result = output_class(**fields)
@@ -230,8 +269,9 @@ def _keep_logits(logits: torch.Tensor, logits_to_keep: int | torch.Tensor) -> to
     return logits[:, logits_to_keep]
 
 
-def _moe_fields(model, spec: FamilySpec, outputs, loss, ce: CrossEntropySum | None,
-                num_items_in_batch) -> dict[str, Any]:
+def _moe_fields(
+    model, spec: FamilySpec, outputs, loss, ce: CrossEntropySum | None, num_items_in_batch
+) -> dict[str, Any]:
     """``aux_loss`` / ``router_logits`` as the unpatched MoE forward returns them, and the aux term in the loss.
 
     The unpatched loss is ``CE_mean + coef · aux`` per micro-batch, which the Trainer divides by the

@@ -15,8 +15,8 @@ own fallbacks, unwrapped from their hub-kernel decorator, are the per-sequence r
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
 
 from .. import linear_attention
 from ._attention import PACKED_KWARG
@@ -34,8 +34,9 @@ def make_conv_route(original: Callable, backend: str) -> Callable:
         seqs = kwargs.pop(PACKED_KWARG, None)
         if seqs is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        return linear_attention.causal_conv1d(hidden_states, weight, bias, activation, seqs, backend=backend,
-                                              torch_fn=torch_fn)
+        return linear_attention.causal_conv1d(
+            hidden_states, weight, bias, activation, seqs, backend=backend, torch_fn=torch_fn
+        )
 
     causal_conv1d_fn.__wrapped__ = original
     return causal_conv1d_fn
@@ -45,17 +46,37 @@ def make_delta_rule_route(original: Callable, backend: str) -> Callable:
     """Wrap ``torch_chunk_gated_delta_rule``: packed calls restart the recurrent state at every boundary."""
     torch_fn = inspect.unwrap(original)
 
-    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
-                                     output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+    def torch_chunk_gated_delta_rule(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
         seqs = kwargs.pop(PACKED_KWARG, None)
         if seqs is None:
-            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
-                            output_final_state=output_final_state,
-                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+            return original(
+                query,
+                key,
+                value,
+                g=g,
+                beta=beta,
+                chunk_size=chunk_size,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                **kwargs,
+            )
         if initial_state is not None or output_final_state:
             raise ValueError("hf_packing runs packed linear attention without a cache (use_cache=False)")
-        out = linear_attention.gated_delta_rule(query, key, value, g, beta, seqs, use_qk_l2norm=use_qk_l2norm_in_kernel,
-                                                backend=backend, torch_fn=torch_fn)
+        out = linear_attention.gated_delta_rule(
+            query, key, value, g, beta, seqs, use_qk_l2norm=use_qk_l2norm_in_kernel, backend=backend, torch_fn=torch_fn
+        )
         return out, None
 
     torch_chunk_gated_delta_rule.__wrapped__ = original

@@ -27,8 +27,10 @@ class Patch:
     def _get(self) -> Any:
         if self._is_mapping():
             return self.owner.get(self.name, _MISSING)
-        return self.owner.__dict__.get(self.name, _MISSING) if isinstance(self.owner, type) else getattr(
-            self.owner, self.name, _MISSING
+        return (
+            self.owner.__dict__.get(self.name, _MISSING)
+            if isinstance(self.owner, type)
+            else getattr(self.owner, self.name, _MISSING)
         )
 
     def _set(self, value: Any) -> None:

@@ -54,12 +54,23 @@ FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (
         _spec("qwen2_vl", "Qwen2VL", "Qwen2VLAttention", "VisionAttention"),
-        _spec("qwen2_5_vl", "Qwen2_5_VL", "Qwen2_5_VLAttention", "Qwen2_5_VLVisionAttention",
-              rope_kwargs=("second_per_grid_ts",)),
+        _spec(
+            "qwen2_5_vl",
+            "Qwen2_5_VL",
+            "Qwen2_5_VLAttention",
+            "Qwen2_5_VLVisionAttention",
+            rope_kwargs=("second_per_grid_ts",),
+        ),
         _spec("qwen3_vl", "Qwen3VL", "Qwen3VLTextAttention", "Qwen3VLVisionAttention"),
         _spec("qwen3_vl_moe", "Qwen3VLMoe", "Qwen3VLMoeTextAttention", "Qwen3VLMoeVisionAttention", moe=True),
         _spec("qwen3_5", "Qwen3_5", "Qwen3_5Attention", "Qwen3_5VisionAttention", linear_attention=True),
-        _spec("qwen3_5_moe", "Qwen3_5Moe", "Qwen3_5MoeAttention", "Qwen3_5MoeVisionAttention", moe=True,
-              linear_attention=True),
+        _spec(
+            "qwen3_5_moe",
+            "Qwen3_5Moe",
+            "Qwen3_5MoeAttention",
+            "Qwen3_5MoeVisionAttention",
+            moe=True,
+            linear_attention=True,
+        ),
     )
 }

@@ -16,8 +16,12 @@ WORDS = (
     "three several many colour shape circle square line bright dark wooden metal glass water sand grass"
 ).split()
 QUESTIONS = (
-    "Describe the image.", "What colour is the largest shape?", "How many objects are there?",
-    "Write a short caption.", "What is in the top left corner?", "Compare the two pictures.",
+    "Describe the image.",
+    "What colour is the largest shape?",
+    "How many objects are there?",
+    "Write a short caption.",
+    "What is in the top left corner?",
+    "Compare the two pictures.",
 )
 
 

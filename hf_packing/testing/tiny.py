@@ -1,7 +1,8 @@
 """Tiny, random-weight, fully-local Qwen-VL models and processors for tests.
 
 Six families are supported, named by ``config.model_type``: ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``,
-``"qwen3_vl_moe"``, ``"qwen3_5"`` and ``"qwen3_5_moe"`` (hybrid: Gated DeltaNet linear-attention layers and full-attention
+``"qwen3_vl_moe"``, ``"qwen3_5"`` and ``"qwen3_5_moe"`` (hybrid: Gated DeltaNet linear-attention layers and
+full-attention
 layers). Nothing is downloaded: the tokenizer is a byte-level BPE trained in-process on a small built-in
 text, the image/video processors are the families' real classes with small pixel budgets, and the models are the
 real ``*ForConditionalGeneration`` classes with tiny random weights.
@@ -24,10 +25,21 @@ MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_
 
 BASE_VOCAB: int = 498
 SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>",
-)  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 TOKEN_IDS: dict[str, int] = {tok: BASE_VOCAB + i for i, tok in enumerate(SPECIAL_TOKENS)}
 VOCAB_SIZE: int = BASE_VOCAB + len(SPECIAL_TOKENS)  # 512
 
@@ -74,8 +86,14 @@ _CHAT_TEMPLATE = """\
 """
 
 # family -> class-name prefix: f"{prefix}Config", f"{prefix}ForConditionalGeneration"
-_PREFIX = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe",
-           "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}
+_PREFIX = {
+    "qwen2_vl": "Qwen2VL",
+    "qwen2_5_vl": "Qwen2_5_VL",
+    "qwen3_vl": "Qwen3VL",
+    "qwen3_vl_moe": "Qwen3VLMoe",
+    "qwen3_5": "Qwen3_5",
+    "qwen3_5_moe": "Qwen3_5Moe",
+}
 
 
 def _class(model_type: str, kind: str) -> Any:
@@ -116,42 +134,75 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     eot, eos = TOKEN_IDS["<|endoftext|>"], TOKEN_IDS["<|im_end|>"]
     ids = {"bos_token_id": eot, "eos_token_id": eos, "pad_token_id": eot}
     text: dict[str, Any] = {
-        "vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
-        "tie_word_embeddings": False, **ids,
-    }  # fmt: skip
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        **ids,
+    }
     if qwen3:  # real: head_dim 128, mrope [24, 20, 20] interleaved -> head_dim 32, [6, 5, 5]
-        text.update(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
-                                                  "mrope_section": [6, 5, 5], "mrope_interleaved": True})  # fmt: skip
+        text.update(
+            head_dim=32,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
+        )
         vision: dict[str, Any] = {
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 16,
-            "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64,
-            "num_position_embeddings": 256, "deepstack_visual_indexes": [0],
-        }  # fmt: skip
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 64,
+            "num_position_embeddings": 256,
+            "deepstack_visual_indexes": [0],
+        }
         if model_type.startswith("qwen3_5"):
             _hybrid(text, vision)
         if model_type == "qwen3_vl_moe":
             text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
         elif model_type == "qwen3_5_moe":
-            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+            text.update(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+            )
     else:  # real: head_dim 128, mrope [16, 24, 24] -> head_dim 16, [2, 3, 3]
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}
         if model_type == "qwen2_vl":  # Qwen2-VL: `embed_dim` is the ViT width, `hidden_size` the merger output
             vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
         else:  # window 56 px = 2x2 merged tokens, so small test images already span several windows
             vision = {
-                "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-                "window_size": 56, "fullatt_block_indexes": [1], "tokens_per_second": 2,
-            }  # fmt: skip
+                "depth": 2,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "out_hidden_size": 64,
+                "window_size": 56,
+                "fullatt_block_indexes": [1],
+                "tokens_per_second": 2,
+            }
         vision.update(patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     text.update(overrides.pop("text_config", None) or {})
     vision.update(overrides.pop("vision_config", None) or {})
     kwargs: dict[str, Any] = {
-        "text_config": text, "vision_config": vision, "image_token_id": TOKEN_IDS["<|image_pad|>"],
-        "video_token_id": TOKEN_IDS["<|video_pad|>"], "vision_start_token_id": TOKEN_IDS["<|vision_start|>"],
-        "vision_end_token_id": TOKEN_IDS["<|vision_end|>"], "tie_word_embeddings": False, "dtype": "float32",
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": TOKEN_IDS["<|image_pad|>"],
+        "video_token_id": TOKEN_IDS["<|video_pad|>"],
+        "vision_start_token_id": TOKEN_IDS["<|vision_start|>"],
+        "vision_end_token_id": TOKEN_IDS["<|vision_end|>"],
+        "tie_word_embeddings": False,
+        "dtype": "float32",
         **ids,
-    }  # fmt: skip
+    }
     kwargs.update(overrides)
     return config_cls(**kwargs)
 
@@ -162,11 +213,21 @@ def _hybrid(text: dict[str, Any], vision: dict[str, Any]) -> None:
     full attention head_dim 64 with the real ``partial_rotary_factor`` 0.25 (real mrope [11, 11, 10] -> [3, 3, 2]).
     The vision tower has no DeepStack."""
     text.update(
-        layer_types=["linear_attention", "full_attention"], head_dim=64, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "mrope_section": [3, 3, 2],
-                         "mrope_interleaved": True, "partial_rotary_factor": 0.25},
-    )  # fmt: skip
+        layer_types=["linear_attention", "full_attention"],
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True,
+            "partial_rotary_factor": 0.25,
+        },
+    )
     del vision["deepstack_visual_indexes"]
 
 
@@ -213,9 +274,15 @@ def _build_tokenizer(model_type: str) -> Any:
     tokenizer_cls = getattr(module, "Qwen3_5Tokenizer" if model_type.startswith("qwen3_5") else "Qwen2Tokenizer")
     vocab, merges = _train_tokenizer(model_type)
     tok = tokenizer_cls(
-        vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", model_max_length=32768, extra_special_tokens=list(SPECIAL_TOKENS[1:]),
-    )  # fmt: skip
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=32768,
+        extra_special_tokens=list(SPECIAL_TOKENS[1:]),
+    )
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
     tok.chat_template = _CHAT_TEMPLATE
     bad = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS if tok.convert_tokens_to_ids(t) != TOKEN_IDS[t]}
