@@ -480,7 +480,8 @@ def test_load_state_dict_rejects_other_settings() -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_state_dict_holds_every_sample_not_yet_emitted(strategy: str) -> None:
-    # `replica.py` relies on it: open packs list their sample indices second, pending samples under "indices".
+    # `stream.py` (the replica) relies on it: open packs list their sample indices second, pending samples
+    # under "indices".
     lengths, images, _ = _synthetic_llava_mix(300, seed=1)
     planner = StreamingPlanner(max_length=4096, strategy=strategy, buffer_size=64, max_images=6)
     emitted = {i for pack in planner.extend(lengths, images=images) for i in pack}
