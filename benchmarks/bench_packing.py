@@ -206,7 +206,8 @@ def planner_section(
     buffer: int,
     skip_trl: bool,
 ) -> tuple[str, dict[str, Any]]:
-    from hf_packing.planner import STRATEGIES, pack_stats, padded_fill_at_batch, plan_packs
+    from hf_packing.pack_stats import pack_stats, padded_fill_at_batch
+    from hf_packing.planner import STRATEGIES, plan_packs
 
     trl_pack = None if skip_trl else _trl_pack()
     rows, checks = [], {"fill": [], "speed": [], "trl": {}}
@@ -349,7 +350,8 @@ def variants_section(
     mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[int], *, warmup: int, repeats: int, buffer: int
 ) -> str:
     """Fill and items/s of streaming BFD variants (`VARIANTS`), interleaved like the main table."""
-    from hf_packing.planner import StreamingPlanner, pack_stats
+    from hf_packing.pack_stats import pack_stats
+    from hf_packing.planner import StreamingPlanner
 
     rows = []
     for mix_name, mix in mixes.items():

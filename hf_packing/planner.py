@@ -23,8 +23,9 @@ O(buffer_size + max_open_bins).
 Trade-off (`benchmarks/RESULTS.md`, one core, buffer 1000): streaming BFD fills 0.9995 of the slots on a
 LLaVA-665k-like mix at 8k (whole dataset: 0.9997, no carry-over: 0.9934) and 0.9954 on 1-4-page documents at
 16k (whole dataset: 0.9960, no re-planning: 0.9943), at 25-57x the samples/s of TRL's BFD in the same run.
-Re-planning costs 4-38% of that speed, image/patch budgets 23-50% while they do not bind and 35-92% when they
-do. `"next_fit"` keeps input order (streaming equals whole-dataset) but wastes 5% of every step at 8k (0.948).
+Re-planning costs 4-38% of that speed. A sample with images walks past packs whose token room fits but whose
+image/patch room does not: nothing while the budgets do not bind. `"next_fit"` keeps input order (streaming
+equals whole-dataset) but wastes 5% of every step at 8k (0.948).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["STRATEGIES", "Bin", "StreamingPlanner", "pack_stats", "padded_fill_at_batch", "plan_packs"]
+__all__ = ["STRATEGIES", "Bin", "StreamingPlanner", "plan_packs"]
 
 STRATEGIES: tuple[str, ...] = ("next_fit", "bfd")
 _STATE_VERSION = 3
@@ -46,7 +47,6 @@ _STATE_VERSION = 3
 _SHIFT = 40
 _MASK = (1 << _SHIFT) - 1
 _UNLIMITED = 1 << 62
-_CANDIDATES = 8  # token-tightest packs checked for image/patch room before the exact tree query
 IntArray = Sequence[int] | np.ndarray
 Columns = tuple[list[int], list[int], list[int], list[int]]  # indices, tokens, images, patches per sample
 
@@ -67,7 +67,8 @@ class Bin:
     born: int | None = None
 
 
-def _check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> Any:
+def check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> Any:
+    """`value` as an int >= `minimum` (or None when allowed); a clear `TypeError` / `ValueError` naming `name`."""
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -93,58 +94,6 @@ def _as_int_array(name: str, values: Any, n: int | None = None) -> np.ndarray:
     if arr.size and int(arr.min()) < 0:
         raise ValueError(f"`{name}` must be >= 0; got {int(arr.min())} at index {int(arr.argmin())}.")
     return arr
-
-
-class _RoomTree:
-    """Exact best fit when image/patch budgets bind: a max segment tree over remaining token room.
-
-    Leaf `r` holds the packs with exactly `r` tokens of room; every node keeps an upper bound of the image room
-    and of the patch room below it. A query walks right from leaf `length` to the smallest room holding a pack
-    that fits every budget (ties: the oldest), tightening loose bounds (stale, or maxima of two different
-    packs) on the way back up. Updates only raise bounds: one made stale when a pack leaves its leaf is
-    repaired by the first query that trips over it.
-    """
-
-    def __init__(self, keys: list[int], bins: dict[int, Bin], max_length: int, mi: int, mp: int) -> None:
-        self.bins, self.mi, self.mp = bins, mi, mp
-        self.size = 1 << max_length.bit_length()  # > max_length: one leaf per room 0..max_length
-        self.imx, self.pmx = [-1] * (2 * self.size), [-1] * (2 * self.size)
-        self.buckets: dict[int, list[int]] = {}
-        for k in keys:
-            self.move(-1, k)
-
-    def move(self, old_key: int, key: int) -> None:
-        """A pack's room changed from `old_key` (-1: a new pack) to `key` (both `room << _SHIFT | bin_id`)."""
-        if old_key >= 0:
-            self.buckets[old_key >> _SHIFT].remove(old_key & _MASK)
-        self.buckets.setdefault(key >> _SHIFT, []).append(key & _MASK)
-        b, imx, pmx = self.bins[key & _MASK], self.imx, self.pmx
-        a, c, i = self.mi - b.num_images, self.mp - b.num_patches, (key >> _SHIFT) + self.size
-        while i and (imx[i] < a or pmx[i] < c):
-            imx[i], pmx[i] = max(imx[i], a), max(pmx[i], c)
-            i >>= 1
-
-    def query(self, length: int, images: int, patches: int) -> int:
-        """The key of the pack to take a sample, or -1 if none fits."""
-        imx, pmx, size, bins, mi, mp = self.imx, self.pmx, self.size, self.bins, self.mi, self.mp
-        i = length + size
-        while True:
-            if imx[i] >= images and pmx[i] >= patches:
-                if i < size:
-                    i <<= 1
-                    continue
-                leaf = self.buckets.get(i - size, ())
-                fits = [b for b in leaf if bins[b].num_images + images <= mi and bins[b].num_patches + patches <= mp]
-                if fits:
-                    return (i - size) << _SHIFT | min(fits)
-                imx[i] = max((mi - bins[b].num_images for b in leaf), default=-1)  # exact again
-                pmx[i] = max((mp - bins[b].num_patches for b in leaf), default=-1)
-            while i & 1:
-                i >>= 1
-                if i == 0:
-                    return -1
-                imx[i], pmx[i] = max(imx[2 * i], imx[2 * i + 1]), max(pmx[2 * i], pmx[2 * i + 1])
-            i += 1
 
 
 class StreamingPlanner:
@@ -192,20 +141,20 @@ class StreamingPlanner:
             valid = ", ".join(map(repr, STRATEGIES))
             raise ValueError(f"Unknown `strategy`={strategy!r}; valid strategies are {valid}.")
         self.strategy = strategy
-        self.max_length: int = _check_int("max_length", max_length, minimum=1)
-        self.max_images: int | None = _check_int("max_images", max_images, minimum=0, allow_none=True)
-        self.max_vision_patches: int | None = _check_int(
+        self.max_length: int = check_int("max_length", max_length, minimum=1)
+        self.max_images: int | None = check_int("max_images", max_images, minimum=0, allow_none=True)
+        self.max_vision_patches: int | None = check_int(
             "max_vision_patches", max_vision_patches, minimum=0, allow_none=True
         )
-        self.buffer_size: int | None = _check_int("buffer_size", buffer_size, minimum=1, allow_none=True)
-        self.max_open_bins: int | None = _check_int(
+        self.buffer_size: int | None = check_int("buffer_size", buffer_size, minimum=1, allow_none=True)
+        self.max_open_bins: int | None = check_int(
             "max_open_bins", buffer_size if max_open_bins is None else max_open_bins, minimum=0, allow_none=True
         )
-        self.close_threshold: int = _check_int(
+        self.close_threshold: int = check_int(
             "close_threshold", self.max_length // 200 if close_threshold is None else close_threshold, minimum=0
         )
-        self.repack_windows: int = _check_int("repack_windows", repack_windows, minimum=0)
-        self.repack_budget: int | None = _check_int(
+        self.repack_windows: int = check_int("repack_windows", repack_windows, minimum=0)
+        self.repack_budget: int | None = check_int(
             "repack_budget",
             buffer_size // 4 if repack_budget is None and buffer_size else repack_budget,
             minimum=0,
@@ -437,36 +386,25 @@ class StreamingPlanner:
         return packs
 
     def _best_fit(self, window: Columns) -> None:
-        """Longest first, each sample into the open pack with the least token room that fits every budget.
-
-        A sample without images/patches takes the token-tightest pack. One with media checks the `_CANDIDATES`
-        tightest; when none fits, an exact [`_RoomTree`] query runs (built on the first such sample of a window,
-        so windows where the budgets never bind do not pay for it).
-        """
+        """Longest first, each sample into the open pack with the least token room that fits every budget (ties: the
+        oldest): a bisect on the sorted room keys, then, for a sample with media, a walk up to the first pack whose
+        image/patch room also fits (short unless those budgets bind)."""
         order = np.argsort(-np.asarray(window[1], dtype=np.int64), kind="stable")  # ties keep arrival order
         media = self._media
         cols = [np.asarray(col, dtype=np.int64)[order].tolist() for col in window[: 4 if media else 2]]
         ml, mi, mp, bins = self.max_length, self._mi, self._mp, self._open
         shift, mask, bl = _SHIFT, _MASK, bisect_left
         keys = sorted(((ml - b.tokens) << shift) | bid for bid, b in bins.items())
-        tree: _RoomTree | None = None
         next_id = self._next_id
         for x, length, im, pa in zip(*cols, *(() if media else (repeat(0), repeat(0)))):
             need = length << shift
             pos = bl(keys, need)
             if im or pa:
                 n = len(keys)
-                end = min(pos + _CANDIDATES, n)
-                while pos < end:
-                    b = bins[keys[pos] & mask]
-                    if b.num_images + im <= mi and b.num_patches + pa <= mp:
-                        break
+                while pos < n and (
+                    bins[keys[pos] & mask].num_images + im > mi or bins[keys[pos] & mask].num_patches + pa > mp
+                ):
                     pos += 1
-                else:
-                    if pos < n:
-                        tree = tree or _RoomTree(keys, bins, ml, mi, mp)
-                        key = tree.query(length, im, pa)
-                        pos = n if key < 0 else bl(keys, key)
             if pos < len(keys):
                 k = keys[pos] - need
                 new_pos = bl(keys, k, 0, pos)
@@ -477,7 +415,7 @@ class StreamingPlanner:
                     keys.insert(new_pos, k)
                 b = bins[k & mask]
             else:
-                need, k = -1, ((ml - length) << shift) | next_id  # need=-1: no old key for the tree
+                k = ((ml - length) << shift) | next_id
                 keys.insert(bl(keys, k), k)
                 b = bins[next_id] = Bin()
                 next_id += 1
@@ -488,8 +426,6 @@ class StreamingPlanner:
                 b.patches.append(pa)
                 b.num_images += im
                 b.num_patches += pa
-                if tree:
-                    tree.move(k + need if need >= 0 else -1, k)
         self._next_id = next_id
         for k in keys:
             bins[k & mask].tokens = ml - (k >> shift)
@@ -615,75 +551,3 @@ def plan_packs(
         buffer_size=buffer_size,
     )
     return planner.extend(lengths, images=images, patches=vision_patches) + planner.flush()
-
-
-def padded_fill_at_batch(lengths: IntArray, batch_size: int = 8) -> float:
-    """Slot utilisation of padded batches of `batch_size` consecutive samples: Σ length / Σ (rows × longest).
-
-    Args:
-        lengths (`Sequence[int]` or `np.ndarray`): Token counts in the order they would be batched.
-        batch_size (`int`, *optional*, defaults to 8): Samples per padded batch (the last one may be smaller).
-
-    Returns:
-        `float`: utilisation in [0, 1] (1.0 for empty input).
-    """
-    batch_size = _check_int("batch_size", batch_size, minimum=1)
-    la = np.asarray(lengths, dtype=np.int64)
-    if la.shape[0] == 0 or int(la.sum()) == 0:
-        return 1.0
-    full = (la.shape[0] // batch_size) * batch_size
-    slots = int(la[:full].reshape(-1, batch_size).max(axis=1).sum()) * batch_size
-    if full < la.shape[0]:
-        slots += int(la[full:].max()) * (la.shape[0] - full)
-    return float(la.sum()) / slots
-
-
-def pack_stats(
-    packs: Sequence[Sequence[int]],
-    lengths: IntArray,
-    max_length: int,
-    images: IntArray | None = None,
-    *,
-    batch_size: int = 8,
-) -> dict[str, Any]:
-    """Summary statistics of a plan.
-
-    Args:
-        packs (`Sequence[Sequence[int]]`): Packs as returned by [`plan_packs`].
-        lengths (`Sequence[int]` or `np.ndarray`): Token count per sample (the `lengths` the plan was made from).
-        max_length (`int`): Token budget per pack.
-        images (`Sequence[int]` or `np.ndarray`, *optional*): Image count per sample, for the per-pack image statistics.
-        batch_size (`int`, *optional*, defaults to 8): Batch size of the padded baseline.
-
-    Returns:
-        `dict`: `num_packs`, `num_samples` (packed), `dropped` (samples in no pack), `fill` (Σ packed tokens /
-        (num_packs · max_length)), `mean_tokens_per_pack`, `max_tokens_per_pack`, `min_tokens_per_pack`,
-        `mean_samples_per_pack`, `mean_images_per_pack` / `max_images_per_pack` (`None` without `images`),
-        `padded_batch_fill` (slot utilisation of padded batches of `batch_size` packed samples in input order)
-        and `padding_ratio_padded_batches` (1 - that).
-    """
-    max_length = _check_int("max_length", max_length, minimum=1)
-    la = np.asarray(lengths, dtype=np.int64)
-    num_packs = len(packs)
-    flat = np.fromiter((i for p in packs for i in p), dtype=np.int64)
-    sizes = np.fromiter((len(p) for p in packs), dtype=np.int64, count=num_packs)
-    pack_of = np.repeat(np.arange(num_packs), sizes)
-    tok = np.bincount(pack_of, weights=la[flat], minlength=num_packs).astype(np.int64)
-    per_image = None
-    if images is not None and num_packs:
-        per_image = np.bincount(pack_of, weights=np.asarray(images, dtype=np.int64)[flat], minlength=num_packs)
-    padded = padded_fill_at_batch(la[np.sort(flat)], batch_size)
-    return {
-        "num_packs": num_packs,
-        "num_samples": int(flat.size),
-        "dropped": int(la.shape[0] - np.unique(flat).size),
-        "fill": float(tok.sum()) / (num_packs * max_length) if num_packs else 0.0,
-        "mean_tokens_per_pack": float(tok.mean()) if num_packs else 0.0,
-        "max_tokens_per_pack": int(tok.max()) if num_packs else 0,
-        "min_tokens_per_pack": int(tok.min()) if num_packs else 0,
-        "mean_samples_per_pack": float(sizes.mean()) if num_packs else 0.0,
-        "mean_images_per_pack": None if per_image is None else float(per_image.mean()),
-        "max_images_per_pack": None if per_image is None else int(per_image.max()),
-        "padded_batch_fill": padded,
-        "padding_ratio_padded_batches": 1.0 - padded,
-    }

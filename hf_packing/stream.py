@@ -62,6 +62,7 @@ from .data import REASONS, OverlongError, Preprocessor, SampleError, SampleMeta,
 from .formats import check_yield, per_source, source_formats
 from .images import MAX_IMAGE_PIXELS
 from .loss import IGNORE_INDEX
+from .pack_stats import PADDED_BATCH
 from .planner import StreamingPlanner
 from .sources import SOURCE_COLUMN, make_source
 
@@ -69,7 +70,6 @@ __all__ = ["PackConfig", "PackStats", "PackedDataset", "pack_dataset"]
 logger = logging.getLogger("hf_packing")
 
 ATTENTION_TOKENS = 65_536  # a sample of n tokens costs n + n**2 // ATTENTION_TOKENS (dense + attention FLOPs)
-PADDED_BATCH = 8  # the baseline in stats(): the same samples in padded batches of 8, in input order
 _STATE_VERSION = 2
 _MAX_SLOTS = 65  # rows of the shared stats table: the main process + up to 64 DataLoader workers
 _PLAN_KEYS = (

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_packing.planner import STRATEGIES, StreamingPlanner, pack_stats, padded_fill_at_batch, plan_packs
+from hf_packing.pack_stats import pack_stats, padded_fill_at_batch
+from hf_packing.planner import STRATEGIES, StreamingPlanner, plan_packs
 
 
 def _synthetic_llava_mix(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -160,10 +161,9 @@ def test_bfd_picks_tightest_bin_that_fits_images() -> None:
 
 
 @pytest.mark.parametrize("budget", ["images", "patches"])
-def test_bfd_searches_past_the_tightest_candidates(budget: str) -> None:
+def test_bfd_searches_past_packs_without_media_room(budget: str) -> None:
     # Ten packs of 12 tokens and one image each (room 8, no media room) are tighter than the text-only pack
-    # of 10 (room 10). The 5-token sample with media skips all ten: past the candidates checked first, the
-    # exact tree query finds the pack.
+    # of 10 (room 10). The 5-token sample with media walks past all ten to the pack that fits every budget.
     lengths, media = [12] * 10 + [10, 5], [1] * 10 + [0, 1]
     names = ("images", "max_images") if budget == "images" else ("vision_patches", "max_vision_patches")
     packs = plan_packs(lengths, max_length=20, **dict(zip(names, (media, 1))))  # type: ignore[arg-type]
@@ -436,7 +436,7 @@ def test_property_bfd_without_carry_over_plans_each_window_alone(p: dict, k: int
 @FAST
 @given(problems())
 def test_property_slack_budgets_match_tokens_only(p: dict) -> None:
-    # The media code path (candidate scan, segment tree) must agree with the token-only fast path when
+    # The media code path (the walk past packs without media room) must agree with the token-only fast path when
     # the image/patch budgets can never bind.
     tokens_only = _plan(p, images=None, max_images=None, vision_patches=None, max_vision_patches=None)
     slack = _plan(

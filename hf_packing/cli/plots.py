@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..pack_stats import PADDED_BATCH
+
 
 def _pyplot():
     try:
@@ -25,7 +27,7 @@ def plot_packs(
     path: str | Path,
     *,
     max_length: int,
-    batch_size: int = 8,
+    batch_size: int = PADDED_BATCH,
     max_rows: int = 12,
 ) -> Path:
     """Packed batches next to padded batches of the same samples.

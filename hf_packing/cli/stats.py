@@ -13,7 +13,8 @@ from collections import Counter
 
 from ..data import Preprocessor, SampleError, SkipCounter
 from ..formats import source_formats
-from ..planner import pack_stats, plan_packs
+from ..pack_stats import pack_stats
+from ..planner import plan_packs
 
 logger = logging.getLogger("hf_packing")
 
