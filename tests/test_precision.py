@@ -279,3 +279,17 @@ def test_the_recipes_precision_setup_through_strict_flash_attn(model_type, monke
     )
     assert_within_2x(ref, plain, patched, f"{model_type}/recipe setup")
     assert True in calls and False in calls
+
+
+def test_loss_follows_the_heads_device_like_device_map():
+    """device_map puts lm_head on another device than the last layer (accelerate's hook moves the head's input):
+    targets and indices must follow to the head's device, as transformers' ForCausalLMLoss does. A CPU machine has
+    one device, so the head goes to ``meta`` here: mixing meta and CPU tensors in the loss raises like two GPUs."""
+    model, processor = model_and_processor("qwen2_5_vl")
+    batch = processed_batch(processor, conversations(with_video=False))
+    model.lm_head.to("meta")
+    model.lm_head.register_forward_pre_hook(lambda module, args: tuple(a.to("meta") for a in args))
+    assert model(**batch).loss.device.type == "meta"  # the unpatched model's contract
+    hf_packing.apply_rmpad("qwen2_5_vl")
+    assert model(**batch).loss.device.type == "meta"
+    assert model(**batch, num_items_in_batch=torch.tensor(7)).loss.device.type == "meta"
