@@ -292,7 +292,7 @@ def varlen_attention(
         causal (`bool`), scale (`float`): as in SDPA. window (`int`, *optional*): sliding-window size (causal only).
         backend (`str`): ``auto`` or one of `BACKENDS`.
 
-    Kernel backends get q/k/v cast to one half-precision dtype (`kernel_input_dtype`), made contiguous, with
+    Kernel backends get q/k/v cast to one half-precision dtype (`kernel_input_dtype`), last dim contiguous, with
     int32 ``cu_seqlens`` on q's device and a Python-int ``max_seqlen``. fp32 inputs with autocast off cannot
     run on a kernel: ``auto`` then takes the exact ``reference`` path, a forced kernel raises.
 
@@ -311,6 +311,8 @@ def varlen_attention(
             )
         return reference_varlen(q, k, v, seqs, causal=causal, scale=scale, window=window, dropout=dropout)
     out_dtype = q.dtype
-    q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
+    # The kernels need a contiguous last dim (flash-attn's own maybe_contiguous); a full copy would cost a pass over
+    # q/k/v in every layer.
+    q, k, v = (t.to(dtype) if t.stride(-1) == 1 else t.to(dtype).contiguous() for t in (q, k, v))
     out = _BACKEND_FNS[name](q, k, v, seqs, causal=causal, scale=scale, window=window, dropout=dropout)
     return out if torch.is_autocast_enabled(out.device.type) else out.to(out_dtype)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from ..varlen import PackedSequences, validate_attention_mask
+from ..varlen import PackedSequences, index_first_axis, pad_input, validate_attention_mask
 from ._spec import FamilySpec
 
 logger = logging.get_logger("hf_packing")
@@ -52,13 +52,11 @@ class FlatBatch:
 
     def flatten(self, padded: torch.Tensor) -> torch.Tensor:
         """``(B, L, ...)`` → ``(T, ...)`` for any per-token tensor of the caller (labels, shift_labels)."""
-        return padded.flatten(0, 1).index_select(0, self.indices.to(padded.device))
+        return index_first_axis(padded.flatten(0, 1), self.indices.to(padded.device))
 
     def repad(self, flat: torch.Tensor) -> torch.Tensor:
         """``(T, ...)`` → ``(B, L, ...)``, zeros at padded positions."""
-        out = flat.new_zeros((self.batch * self.length, *flat.shape[1:]))
-        out.index_copy_(0, self.indices.to(flat.device), flat)
-        return out.view(self.batch, self.length, *flat.shape[1:])
+        return pad_input(flat, self.indices.to(flat.device), self.batch, self.length)
 
 
 def mm_token_types(input_ids: torch.Tensor, config) -> torch.Tensor:
@@ -204,7 +202,7 @@ def flatten_batch(
     """Remove the padding once: the caller's ``(B, L)`` batch as a `FlatBatch` (checks placeholders per sequence)."""
     batch, length = input_ids.shape
     indices, seqs = sequence_boundaries(input_ids, attention_mask, position_ids, cu_seqlens)
-    flat_ids = input_ids.flatten().index_select(0, indices).unsqueeze(0)
+    flat_ids = index_first_axis(input_ids.flatten(), indices).unsqueeze(0)
     if image_grid_thw is not None or video_grid_thw is not None:
         check_placeholders(model.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
     _, mrope = _text_positions(position_ids)
@@ -218,7 +216,7 @@ def flatten_batch(
             model, spec, input_ids, attention_mask, mm_token_type_ids, image_grid_thw, video_grid_thw, extra
         )
     flat_pos = mrope.flatten(1).index_select(1, indices.to(mrope.device)).unsqueeze(1)
-    flat_types = None if mm_token_type_ids is None else mm_token_type_ids.flatten().index_select(0, indices)[None]
+    flat_types = None if mm_token_type_ids is None else index_first_axis(mm_token_type_ids.flatten(), indices)[None]
     return FlatBatch(flat_ids, flat_pos, flat_types, indices, seqs, batch, length)
 
 
