@@ -29,6 +29,7 @@ from ..loss import CrossEntropySum, cross_entropy_sum, linear_cross_entropy_sum,
 from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS
 from ._flatten import FlatBatch, flatten_batch
 from ._spec import FamilySpec
+from ._vision import tower_calls
 
 #: transformers' flash-style boundary kwargs (DataCollatorWithFlattening, VisionCollator mode='flat').
 HF_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -81,69 +82,30 @@ def _resolve_use_cache(model, use_cache: bool | None) -> bool:
     return bool(use_cache) and not (model.training and checkpointing)
 
 
-def _dummy_vision_loss(model) -> torch.Tensor:
-    """Run the vision tower on one tiny image so every rank issues the same collectives; weight 0."""
-    vcfg = model.config.vision_config
-    merge = vcfg.spatial_merge_size
-    patch_dim = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
-    device = model.lm_head.weight.device
-    pixels = torch.zeros(merge * merge, patch_dim, device=device, dtype=model.model.visual.dtype)
-    grid = torch.tensor([[1, merge, merge]], device=device)
-    out = model.model.get_image_features(pixels, grid, return_dict=True)
-    return sum(t.float().sum() for t in _iter_tensors(out.to_tuple())) * 0.0
-
-
-def _iter_tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _iter_tensors(item)
-
-
 def _run_backbone(
     model,
     flat: FlatBatch,
-    pixel_values,
-    pixel_values_videos,
-    image_grid_thw,
-    video_grid_thw,
+    vision: dict[str, torch.Tensor | None],
     model_kwargs: dict[str, Any],
     dummy_vision: bool,
 ):
-    """``model.model`` on the flat row; with ``dummy_vision`` a text-only batch still runs the vision tower.
+    """``model.model`` on the flat row, calling the vision tower once on every rank (see `_vision.tower_calls`).
 
-    The dummy image runs exactly where real pixels would: right after the token embedding, before the decoder
-    layers. FSDP / ZeRO-3 gather parameters (and reduce gradients) module by module in execution order, so a
-    text-only rank must reach the tower at the same point as a rank with images, or the collectives mismatch.
+    Returns the backbone outputs and the dummy term (``None`` unless ``dummy_vision`` ran the tower on a batch
+    without pixels).
     """
-    dummy: list[torch.Tensor] = []
-
-    def dummy_after_embedding(*_) -> None:
-        if not dummy:
-            dummy.append(_dummy_vision_loss(model))
-
-    hook = None
-    if dummy_vision and pixel_values is None and pixel_values_videos is None:
-        hook = model.model.get_input_embeddings().register_forward_hook(dummy_after_embedding)
-    try:
+    with tower_calls(model, **vision, dummy=dummy_vision, model_kwargs=model_kwargs) as dummy:
         outputs = model.model(
             input_ids=flat.input_ids,
             attention_mask=None,
             position_ids=flat.position_ids,
-            pixel_values=pixel_values,
-            pixel_values_videos=pixel_values_videos,
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw,
+            **vision,
             mm_token_type_ids=flat.mm_token_type_ids,
             use_cache=False,
             return_dict=True,
             **model_kwargs,
             **{PACKED_KWARG: flat.seqs},
         )
-    finally:
-        if hook is not None:
-            hook.remove()
     return outputs, (dummy[0] if dummy else None)
 
 
@@ -221,14 +183,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             default = getattr(self.config.text_config, "output_router_logits", False)  # absent before 5.23
             model_kwargs["output_router_logits"] = default if router is None else router
         outputs, dummy = _run_backbone(
-            self,
-            flat,
-            vision["pixel_values"],
-            vision["pixel_values_videos"],
-            vision["image_grid_thw"],
-            vision["video_grid_thw"],
-            model_kwargs,
-            options.dummy_vision and self.training and supervised,
+            self, flat, vision, model_kwargs, options.dummy_vision and self.training and supervised
         )
         skip_logits = packing["skip_logits"]
         want_logits = not skip_logits if skip_logits is not None else not (supervised and self.training)
