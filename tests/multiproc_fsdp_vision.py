@@ -3,11 +3,12 @@
     torchrun --standalone --nproc_per_node 2 tests/multiproc_fsdp_vision.py MODEL_TYPE OUT [separate]
 
 Every vision block, every decoder layer, the tower and the root are ``fully_shard`` units, as accelerate's
-FSDP2 auto-wrap makes them. Rank 0's pack holds images and a video, rank 1's images only (step 0), then rank 1 is
-text-only (step 1). FSDP2 all-gathers a unit's parameters on every call, so a rank that calls the tower twice
-while the other calls it once issues collectives the other never matches: a hang or a size mismatch. Each rank
-writes its per-step tower-call count and losses to OUT.<rank>. With ``separate`` (the negative control) the
-tower calls are left as transformers makes them.
+FSDP2 auto-wrap makes them. Step 0: rank 0's pack holds images and a video, rank 1's images only; step 1: rank 1
+is text-only; then one evaluation step (``eval()``, ``no_grad``) with the step-1 packs. FSDP2 all-gathers a
+unit's parameters on every call, so a rank that calls the tower twice while the other calls it once issues
+collectives the other never matches: a hang or a size mismatch. Each rank writes its per-step tower-call count
+and losses to OUT.<rank>. With ``separate`` (the negative control) the tower calls are left as transformers
+makes them.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def main(model_type: str, out: str, separate: bool) -> None:
         optimizer.zero_grad()
         losses.append(loss.item())
         counts.append(len(calls))
+    model.eval()
+    calls.clear()
+    with torch.no_grad():
+        losses.append(model(**processed_batch(processor, steps[1])).loss.item())
+    counts.append(len(calls))
     Path(f"{out}.{rank}").write_text(json.dumps({"losses": losses, "tower_calls": counts}))
     dist.destroy_process_group()
 

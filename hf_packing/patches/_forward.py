@@ -182,9 +182,8 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             router = model_kwargs.get("output_router_logits")
             default = getattr(self.config.text_config, "output_router_logits", False)  # absent before 5.23
             model_kwargs["output_router_logits"] = default if router is None else router
-        outputs, dummy = _run_backbone(
-            self, flat, vision, model_kwargs, options.dummy_vision and self.training and supervised
-        )
+        # evaluation too: FSDP2 / ZeRO-3 all-gather the tower's parameters in every forward, with or without grad
+        outputs, dummy = _run_backbone(self, flat, vision, model_kwargs, options.dummy_vision)
         skip_logits = packing["skip_logits"]
         want_logits = not skip_logits if skip_logits is not None else not (supervised and self.training)
         ce, flat_logits = _loss_and_logits(
