@@ -34,13 +34,21 @@ def _items(output: ModelOutput, keep: slice, patches: list[int]) -> ModelOutput:
     """The part of a tower output that belongs to items ``keep`` (``pooler_output`` is a tuple per item)."""
     fields = dict(output.items())
     fields["pooler_output"] = tuple(output.pooler_output[keep])
-    if output.get("deepstack_features") is not None:  # Qwen3-VL: per layer, a tuple per item
-        fields["deepstack_features"] = [tuple(layer[keep]) for layer in output.deepstack_features]
-    hidden = output.get("last_hidden_state")
-    if hidden is not None:  # pre-merge patch features, in item order: (Σ t·h·w, D)
-        start = sum(patches[: keep.start or 0])
-        fields["last_hidden_state"] = hidden[start : start + sum(patches[keep])]
+    merged = [len(item) for item in output.pooler_output]
+    if output.get("deepstack_features") is not None:  # Qwen3-VL: per layer, a tuple per item (< 5.23: one tensor)
+        fields["deepstack_features"] = [
+            tuple(layer[keep]) if isinstance(layer, (tuple, list)) else _rows(layer, merged, keep)
+            for layer in output.deepstack_features
+        ]
+    if output.get("last_hidden_state") is not None:  # pre-merge patch features, in item order: (Σ t·h·w, D)
+        fields["last_hidden_state"] = _rows(output.last_hidden_state, patches, keep)
     return type(output)(**fields)
+
+
+def _rows(tensor: torch.Tensor, sizes: list[int], keep: slice) -> torch.Tensor:
+    """Rows of the items ``keep`` from a tensor that stacks items of ``sizes`` rows."""
+    start = sum(sizes[: keep.start or 0])
+    return tensor[start : start + sum(sizes[keep])]
 
 
 def _dummy_features(model) -> torch.Tensor:
@@ -96,21 +104,22 @@ def tower_calls(
             if hook is not None:
                 hook.remove()
         return
-    separate = any(k.startswith(_MODALITY_PREFIXES) for k in model_kwargs)  # per-modality inputs: keep apart
-    if pixel_values is None or pixel_values_videos is None or separate:  # one kind of media: one call already
+    if any(k.startswith(_MODALITY_PREFIXES) for k in model_kwargs):  # per-modality inputs: leave the calls apart
         yield dummy_terms
         return
 
     encoded: dict[str, ModelOutput] = {}
+    kinds = ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw))
+    media = [(pixels, grid) for pixels, grid in kinds if pixels is not None]
 
     def encode(**kwargs: Any) -> None:
         if encoded:
             return
-        grids = torch.cat([image_grid_thw, video_grid_thw])
-        out = type(inner).get_image_features(
-            inner, torch.cat([pixel_values, pixel_values_videos.to(pixel_values.dtype)]), grids, **kwargs
-        )
-        patches, n_images = grids.prod(-1).tolist(), len(image_grid_thw)
+        pixels = torch.cat([p.to(media[0][0].dtype) for p, _ in media])
+        grids = torch.cat([g for _, g in media])
+        # return_dict explicitly: before 5.23 transformers let config.return_dict=False turn this into a tuple
+        out = type(inner).get_image_features(inner, pixels, grids, **{**kwargs, "return_dict": True})
+        patches, n_images = grids.prod(-1).tolist(), 0 if pixel_values is None else len(image_grid_thw)
         encoded["image"] = _items(out, slice(0, n_images), patches)
         encoded["video"] = _items(out, slice(n_images, None), patches)
 
