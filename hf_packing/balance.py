@@ -8,8 +8,10 @@ counts). Every rank gets the same number of packs, and the result depends only o
 every replica makes the same choice and a resumed run makes it again.
 
 Measured (`benchmarks/bench_balance.py`, RESULTS.md, Qwen2.5-VL-7B weights): Σ over steps of the slowest rank /
-Σ of the mean rank, 8 and 64 ranks, LLaVA-like, document and hi-res mixes at 8k: 1.20-1.90 for the former greedy
-by text cost in consecutive groups, 1.001-1.03 with a window of 8 steps.
+Σ of the mean rank, 8 and 64 ranks, one or two packs per rank per step, on LLaVA-like, document and hi-res-photo
+mixes: 1.023-1.123 for the former greedy by text cost over consecutive packs, 1.001-1.015 with a window of 16 steps
+(32: 1.001-1.007; 8: 1.002-1.029). With sorted steps the four split methods tie to 4 decimals; KK is among the
+cheapest (~6 µs a pack with the sort). Without the vision terms the same window scores 1.023-1.074.
 
 Cost of a sample with n tokens, P = Σ t·h·w vision patches and Q = Σ t·(h·w)² (attention is per frame of each image
 or video), in units of one text token's dense work (6·N FLOPs, N the text parameters per token, as telemetry.py)::

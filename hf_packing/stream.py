@@ -768,7 +768,7 @@ def pack_dataset(
     disable_progress: bool = False,
     leftovers: str = "drop",
     model_config: Any = None,
-    balance_window: int = 8,
+    balance_window: int = 16,
     length_index: bool | str | os.PathLike = "auto",
     index_num_proc: int | None = None,
 ) -> PackedDataset:
@@ -816,8 +816,11 @@ def pack_dataset(
         model_config (`PretrainedConfig` or [`~hf_packing.balance.WorkCost`], *optional*): the model's config
             (`model.config`), which weighs a pack's text and vision work for rank balance; Qwen2.5-VL-7B's without it.
             Pass `WorkCost.from_config(model.config, vision_trainable=False)` for a frozen vision tower.
-        balance_window (`int`, defaults to 8): steps (of `world_size · batch_size` packs) sorted by cost together, so
-            each step holds packs of similar cost; it holds that many more packs' rows in memory.
+        balance_window (`int`, defaults to 16): steps (of `world_size · batch_size` packs) sorted by cost together, so
+            each step holds packs of similar cost (with 64 ranks the slowest rank's excess drops from 4-12% to
+            0.2-1.5%, `benchmarks/RESULTS.md`). A replica holds that many steps' packs' rows (with 64 ranks, ~12k
+            LLaVA rows: metadata only for an indexed `datasets.Dataset`, whole rows from a stream: lower it for
+            streams that embed image bytes).
         length_index (`"auto"`, `bool` or `str`, defaults to `"auto"`): for a `datasets.Dataset` (or a mix's
             map-style sources), estimate every row once into cached columns ([`~hf_packing.length_index`]; next to
             the dataset's cache files, or in the directory given here) that every worker of every rank plans from;
