@@ -11,7 +11,7 @@ Qwen3-VL) gives each image's `patches / merge**2` tokens. With the tiny test pro
 costs ~1.5 ms of CPU per sample (template, tokenizer, headers) against ~26 ms for a full [`Preprocessor.process`]
 (decode, convert, resize, patchify), which runs only for samples placed in a pack and checks that the processed length
 equals the estimate. [`Preprocessor.metadata_columns`] stores
-the estimate as columns (one `ds.map`), so a large run plans from columns instead.
+the estimate as columns (`hf_packing.length_index` builds them once with `ds.map`), so a large run plans from columns.
 
 Bad input raises [`SampleError`] with a `reason` from [`REASONS`]; the caller skips and counts it (see
 [`SkipCounter`]). Odd image modes (CMYK, RGBA/LA/P with alpha on white, 16-bit, float) are converted, not refused.
