@@ -114,10 +114,12 @@ def llava_mix(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     h1, w1 = _llava_image_grids(rng, n)
     h2, w2 = _llava_image_grids(rng, n)
     img = h1 * w1 * (n_img >= 1) + h2 * w2 * (n_img >= 2)
+    squares = (4 * h1 * w1) ** 2 * (n_img >= 1) + (4 * h2 * w2) ** 2 * (n_img >= 2)  # Σ patches² per image
     text = np.where(text_only, text_only_len, text)
     text = np.maximum(np.round(text).astype(np.int64), 4)
     lengths = text + img + 2 * n_img
-    return {"lengths": lengths, "images": n_img, "text": text, "grid_h": h1, "grid_w": w1, "grid_h2": h2, "grid_w2": w2}
+    grids = {"grid_h": h1, "grid_w": w1, "grid_h2": h2, "grid_w2": w2}
+    return {"lengths": lengths, "images": n_img, "text": text, "vision_sq": squares, **grids}
 
 
 def docs_mix(n: int, seed: int = 1) -> dict[str, np.ndarray]:
@@ -125,6 +127,7 @@ def docs_mix(n: int, seed: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     n_img = rng.choice([1, 2, 3, 4], size=n, p=[0.4, 0.3, 0.2, 0.1])
     img = np.zeros(n, dtype=np.int64)
+    squares = np.zeros(n, dtype=np.int64)  # Σ patches² per image (vision attention), 4 patches per token
     for k in range(4):
         area = rng.uniform(0.8e6, 3.1e6, n)
         portrait = rng.random(n) < 0.7
@@ -132,8 +135,28 @@ def docs_mix(n: int, seed: int = 1) -> dict[str, np.ndarray]:
         w = np.sqrt(area / aspect)
         gh, gw = smart_resize_tokens(w * aspect, w)
         img += gh * gw * (n_img > k)
+        squares += (4 * gh * gw) ** 2 * (n_img > k)
     text = np.maximum(np.round(np.exp(rng.normal(math.log(600), 0.9, n))).astype(np.int64), 4)
-    return {"lengths": text + img + 2 * n_img, "images": n_img, "text": text}
+    return {"lengths": text + img + 2 * n_img, "images": n_img, "text": text, "vision_sq": squares}
+
+
+def hires_mix(n: int, seed: int = 2) -> dict[str, np.ndarray]:
+    """Hi-res photos next to long text-only conversations, the mix where vision work differs most between packs of
+    equal length: 50% text-only (lognormal median 1,500 tokens, sigma 0.8), 50% one photo of U(1, 8) Mpx, aspect
+    (short/long) U(0.5, 1), 70% landscape (~1,300-10,000 tokens), plus text lognormal median 200, sigma 0.8."""
+    rng = np.random.default_rng(seed)
+    photo = rng.random(n) < 0.5
+    area = rng.uniform(1e6, 8e6, n)
+    ratio = rng.uniform(0.5, 1.0, n)
+    long = np.sqrt(area / ratio)
+    landscape = rng.random(n) < 0.7
+    gh, gw = smart_resize_tokens(np.where(landscape, long * ratio, long), np.where(landscape, long, long * ratio))
+    img = gh * gw * photo
+    prompt = np.exp(rng.normal(math.log(200), 0.8, n))
+    chat = np.exp(rng.normal(math.log(1500), 0.8, n))
+    text = np.maximum(np.round(np.where(photo, prompt, chat)).astype(np.int64), 4)
+    n_img = photo.astype(np.int64)
+    return {"lengths": text + img + 2 * n_img, "images": n_img, "text": text, "vision_sq": (4 * img) ** 2}
 
 
 def describe(lengths: np.ndarray) -> str:

@@ -11,7 +11,7 @@ Qwen3-VL) gives each image's `patches / merge**2` tokens. With the tiny test pro
 costs ~1.5 ms of CPU per sample (template, tokenizer, headers) against ~26 ms for a full [`Preprocessor.process`]
 (decode, convert, resize, patchify), which runs only for samples placed in a pack and checks that the processed length
 equals the estimate. [`Preprocessor.metadata_columns`] stores
-the estimate as columns (one `ds.map`), so a large run plans from columns instead.
+the estimate as columns (`hf_packing.length_index` builds them once with `ds.map`), so a large run plans from columns.
 
 Bad input raises [`SampleError`] with a `reason` from [`REASONS`]; the caller skips and counts it (see
 [`SkipCounter`]). Odd image modes (CMYK, RGBA/LA/P with alpha on white, 16-bit, float) are converted, not refused.
@@ -38,7 +38,16 @@ from .loss import IGNORE_INDEX
 logger = logging.getLogger("hf_packing")
 
 
-META_COLUMNS = ("hfp_num_tokens", "hfp_num_images", "hfp_vision_patches", "hfp_skip")
+#: a row's planning metadata as columns (`hf_packing.length_index`): tokens, images, Σ t·h·w, Σ t·(h·w)², and for a
+#: refused row its reason and message (tokens -1)
+META_COLUMNS = (
+    "hfp_num_tokens",
+    "hfp_num_images",
+    "hfp_vision_patches",
+    "hfp_vision_sq",
+    "hfp_skip",
+    "hfp_skip_message",
+)
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 __all__ = [
     "META_COLUMNS",
@@ -80,11 +89,13 @@ class SkipCounter(Counter):
 
 @dataclass(frozen=True)
 class SampleMeta:
-    """What the planner needs, from metadata only: tokens (after truncation), images, and Σ t·h·w vision patches."""
+    """What the planner needs, from metadata only: tokens (after truncation), images, Σ t·h·w vision patches, and
+    Σ t·(h·w)² (the vision tower's attention work: each image or video frame attends within itself)."""
 
     num_tokens: int
     num_images: int
     vision_patches: int
+    vision_sq: int = 0
 
 
 @dataclass
@@ -158,15 +169,21 @@ class Preprocessor:
         return self._prepare(row, index).meta
 
     def metadata_columns(self, row: Mapping[str, Any], index: Any = None) -> dict[str, Any]:
-        """[`META_COLUMNS`] for `ds.map(pre.metadata_columns, with_indices=True, num_proc=...)`, computed once and
-        shared by every rank through the `datasets` cache; `pack_dataset` then plans from these columns (for a
-        `datasets.Dataset` it reads only them) instead of estimating each row in every worker of every rank. Stale
-        columns are caught when the sample is processed (`"length_mismatch"`)."""
+        """[`META_COLUMNS`] of one row: what [`~hf_packing.length_index.build_length_index`] stores (once, shared by
+        every rank through the `datasets` cache); `pack_dataset` then plans from these columns (for a
+        `datasets.Dataset` it reads only them) instead of estimating each row in every worker of every rank. A refused
+        row keeps its reason and message, so it is counted without being read again. Stale columns are caught when
+        the sample is processed (`"length_mismatch"`)."""
         try:
             meta = self.estimate(row, index)
-        except SampleError as err:
-            return dict(zip(META_COLUMNS, (-1, 0, 0, err.reason), strict=True))
-        return dict(zip(META_COLUMNS, (meta.num_tokens, meta.num_images, meta.vision_patches, ""), strict=True))
+        except OverlongError:
+            raise
+        except Exception as err:  # noqa: BLE001 - counted like planning counts it (unexpected_error)
+            known = isinstance(err, SampleError)
+            reason, message = (err.reason, str(err)) if known else ("unexpected_error", f"{type(err).__name__}: {err}")
+            return dict(zip(META_COLUMNS, (-1, 0, 0, 0, reason, message), strict=True))
+        values = (meta.num_tokens, meta.num_images, meta.vision_patches, meta.vision_sq, "", "")
+        return dict(zip(META_COLUMNS, values, strict=True))
 
     def planned_meta(self, row: Mapping[str, Any], index: Any = None) -> SampleMeta:
         """What the planner uses: the row's [`META_COLUMNS`] when it has them, else [`estimate`]. Columns computed with
@@ -174,12 +191,12 @@ class Preprocessor:
         found when the sample is processed (reason `"overlong_vision"`)."""
         if META_COLUMNS[0] not in row:
             return self.estimate(row, index)
-        tokens, images, patches, skip = (row[c] for c in META_COLUMNS)
+        tokens, images, patches, vision_sq, skip, message = (row[c] for c in META_COLUMNS)
         if skip:
-            raise SampleError(skip, f"refused when the metadata columns were computed ({skip})")
+            raise SampleError(skip, message or f"refused when the metadata columns were computed ({skip})")
         if self.max_length is not None and tokens > self.max_length:
             tokens = self._truncate(index, np.array([tokens]), np.zeros(1, bool), np.ones(1, bool))
-        return SampleMeta(tokens, images, patches)
+        return SampleMeta(tokens, images, patches, vision_sq)
 
     def _prepare(self, row: Mapping[str, Any], index: Any) -> _Prepared:
         messages, images, videos = normalize_row(row, index, row_format=self.row_format)
@@ -213,7 +230,8 @@ class Preprocessor:
             vision |= (starts >= a) & (starts < b)
         supervised &= ~vision
         num_tokens = self._truncate(index, repeats, vision, supervised)
-        meta = SampleMeta(num_tokens, len(images), sum(img_patches) + sum(vid_patches[0]))
+        vision_sq = sum(p * p for p in img_patches) + sum(vid_patches[2])
+        meta = SampleMeta(num_tokens, len(images), sum(img_patches) + sum(vid_patches[0]), vision_sq)
         return _Prepared(text, images, videos, fps, ids, repeats, supervised, meta)
 
     def _supervised_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]] | None:
@@ -239,13 +257,13 @@ class Preprocessor:
         text: str,
         videos: list[Any],
         fps: list[float | None],
-    ) -> tuple[str, list[int], tuple[list[int], list], Any]:
+    ) -> tuple[str, list[int], tuple[list[int], list, list[int]], Any]:
         """Replace each video placeholder by the processor's own expansion (Qwen3 adds timestamps), pad runs of one."""
         if not videos:
-            return text, [], ([], []), lambda p: p
+            return text, [], ([], [], []), lambda p: p
         from transformers.video_utils import VideoMetadata
 
-        pieces, runs, patches, ranges, edits = [], [], [], [], []
+        pieces, runs, patches, ranges, edits, squares = [], [], [], [], [], []
         pos, out_len = 0, 0
         for ref, rate in zip(videos, fps, strict=True):
             frames, height, width = self.frames.video_shape(ref)
@@ -270,7 +288,13 @@ class Preprocessor:
             out_len += len(repl)
             pos = at + len(self.video_token)
             patches.append(n)
-        return "".join(pieces) + text[pos:], runs, (patches, ranges), lambda p: p + sum(d for e, d in edits if e <= p)
+            squares.append(n * per_t)  # attention per frame group: grid_t blocks of per_t patches
+        return (
+            "".join(pieces) + text[pos:],
+            runs,
+            (patches, ranges, squares),
+            lambda p: p + sum(d for e, d in edits if e <= p),
+        )
 
     def _truncate(self, index: Any, repeats: np.ndarray, vision: np.ndarray, supervised: np.ndarray) -> int:
         ends = np.cumsum(repeats)

@@ -14,14 +14,17 @@ the collator later pads each sample to a row or flattens the pack. A full pack a
 How it works, without any collective:
 
 1. **Plan on metadata, everywhere.** Every worker of every rank reads the same rows in the same order, gets each
-   one's tokens / images / patches from text and image headers ([`~hf_packing.data.Preprocessor.estimate`]) and
-   feeds the same deterministic [`~hf_packing.planner.StreamingPlanner`] (windows of `buffer_size`), so all replicas
-   see the same global sequence of packs. BFD over a 1,000-sample window loses < 0.05% fill against whole-dataset.
-2. **Ranks.** Consecutive packs form groups of `world_size`; each rank gets one pack per group, the costliest to the
-   rank with the least cumulative cost, where a pack costs Σ (n + n² // 65,536) over its samples' lengths n (dense
-   FLOPs ∝ n, attention ∝ n²; equal near n ≈ N / (layers · hidden), ~65k for a 7B model). Every rank yields as many
-   packs whatever the shard sizes; a final incomplete group is left over (counted in `stats()`) or, with
-   `leftovers="spread"` (eval sets), handed out one pack per rank, with a 1-token filler for the ranks past its end.
+   one's tokens / images / patches from the length index of a `datasets.Dataset` (built once, see
+   [`~hf_packing.length_index`]) or, for a stream, from text and image headers
+   ([`~hf_packing.data.Preprocessor.estimate`]) and feeds the same deterministic
+   [`~hf_packing.planner.StreamingPlanner`] (windows of `buffer_size`), so all replicas see the same global sequence
+   of packs. BFD over a 1,000-sample window loses < 0.05% fill against whole-dataset.
+2. **Ranks.** Closed packs wait until `balance_window` steps' worth (`world_size · batch_size` packs a step) are
+   there; [`~hf_packing.balance.schedule`] then sorts them by cost (text and vision work, weighted from the model
+   config: [`~hf_packing.balance.WorkCost`]), cuts them into steps of similar packs and splits each step over the
+   ranks, so no rank stalls a step. Every rank yields as many packs whatever the shard sizes; a final incomplete
+   group is left over (counted in `stats()`) or, with `leftovers="spread"` (eval sets), handed out one pack per
+   rank, with a 1-token filler for the ranks past its end.
 3. **Workers.** DataLoader worker w of W takes the rank's packs j with (j // batch_size) % W == w; the DataLoader
    interleaves workers round-robin, so the batches are the same, in the same order, for any `num_workers`. Only a
    worker's own packs get pixel processing ([`~hf_packing.data.Preprocessor.process`]), which checks the processed
@@ -30,16 +33,15 @@ How it works, without any collective:
    packs; its exceptions re-raise in the consumer; it stops when the iterator is closed or garbage-collected. A bad
    row is skipped and counted ([`PackStats`]), never fatal (unless `on_error="raise"`).
 5. **Resume.** `state_dict()` is the state after the last pack *yielded*: the planner's open packs, the packs
-   planned but not yet assigned, the rank costs, the counters, and the source position (`datasets` state_dict or a
-   row number) of the oldest row still held plus the row where planning continues. Loading it re-reads only that
-   span (typically a few windows) and continues with exactly the packs of an uninterrupted run.
+   planned but not yet assigned, the steps scheduled but not yet yielded, the counters, and the source position
+   (`datasets` state_dict or a row number) of the oldest row still held plus the row where planning continues.
+   Loading it re-reads only that span (typically a few windows) and continues with exactly the packs of an
+   uninterrupted run.
 
-The price of agreeing without communication is that every replica plans every row: per rank, W · N estimates
-against N / R pixel jobs. With the tiny test processors and 256-1024 px JPEGs, one thread, an estimate costs
-~1.5 ms of CPU per row and a processed sample ~26 ms. Past a few ranks, compute the lengths once instead:
-`ds.map(Preprocessor(...).metadata_columns, with_indices=True, num_proc=...)`; planning then reads those columns
-(~70k rows/s of one core for a `datasets.Dataset`, ~9k streamed), and stale values are caught when a sample is
-processed.
+The price of agreeing without communication is that every replica plans every row. From a stream that means W · N
+estimates per rank against N / R pixel jobs (with the tiny test processors and 256-1024 px JPEGs, one thread, ~1.5
+ms of CPU per row estimated, ~26 ms per sample processed); a `datasets.Dataset` is estimated once
+(`length_index="auto"`) and each replica reads columns (see `benchmarks/RESULTS.md`, `bench_index.py`).
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .balance import WorkCost, schedule
 from .data import REASONS, OverlongError, Preprocessor, SampleError, SampleMeta, SkipCounter
 from .formats import check_yield, per_source, source_formats
 from .images import MAX_IMAGE_PIXELS
+from .length_index import with_length_index
 from .loss import IGNORE_INDEX
 from .pack_stats import PADDED_BATCH
 from .planner import StreamingPlanner
@@ -69,8 +73,7 @@ from .sources import SOURCE_COLUMN, make_source
 __all__ = ["PackConfig", "PackStats", "PackedDataset", "pack_dataset"]
 logger = logging.getLogger("hf_packing")
 
-ATTENTION_TOKENS = 65_536  # a sample of n tokens costs n + n**2 // ATTENTION_TOKENS (dense + attention FLOPs)
-_STATE_VERSION = 2
+_STATE_VERSION = 3
 _MAX_SLOTS = 65  # rows of the shared stats table: the main process + up to 64 DataLoader workers
 _PLAN_KEYS = (
     "max_length",
@@ -83,7 +86,8 @@ _PLAN_KEYS = (
     "on_overlong",
     "batch_size",
     "stopping_strategy",
-)  # settings a saved state must match
+    "balance_window",
+)  # settings a saved state must match (and the cost weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +114,10 @@ class PackConfig:
     max_image_pixels: int
     disable_progress: bool
     leftovers: str
+    model_config: Any  # a WorkCost once the dataset is built
+    balance_window: int
+    length_index: Any
+    index_num_proc: int | None
 
     def preprocessors(self, processor: Any, names: list[str]) -> dict[str | None, Preprocessor]:
         """One [`Preprocessor`] per source (key `None` for a single dataset), with that source's format and roots."""
@@ -224,9 +232,11 @@ class _Replica:
             max_vision_patches=cfg.max_vision_patches,
             buffer_size=cfg.buffer_size,
         )
-        self.held: dict[int, tuple[dict[str, Any], int | None, str | None]] = {}  # row -> (row, tokens, source)
-        self.unassigned: list[list[int]] = []  # closed packs waiting for a full group of `world`
-        self.next_group, self.rank_costs = 0, [0] * self.world
+        # row -> (row, tokens, source, cost)
+        self.held: dict[int, tuple[dict[str, Any], int | None, str | None, float]] = {}
+        self.unassigned: list[list[int]] = []  # closed packs waiting for a full balance window
+        self.ready: list[list[list[int]]] = []  # scheduled groups (one pack per rank) not yet handed out
+        self.next_group = 0
         self.source_positions: dict[int, Any] = {0: None}  # row -> source position before it (from the oldest held)
         self.next_row, self.replay_until, self.replay = 0, 0, set()  # rows before replay_until: re-read, not planned
         self.stats = PackStats(dataset._names)
@@ -239,7 +249,8 @@ class _Replica:
     def position(self, planner: dict[str, Any]) -> dict[str, Any]:
         """Where this replica stands, as plain data: `planner`, its planner's state (shared by the positions of one
         batch of closed packs), the rows still held and the source position of the oldest, the row where planning
-        continues, the packs not yet assigned, the group count, the rank costs and the [`PackStats`] row."""
+        continues, the packs not yet assigned, the groups scheduled but not handed out, the group count and the
+        [`PackStats`] row."""
         read_from = self._oldest()
         return {
             "planner": planner,
@@ -248,8 +259,8 @@ class _Replica:
             "source_state": self.source_positions[read_from],
             "planned_until": self.next_row,
             "unassigned": list(self.unassigned),
+            "ready": [list(g) for g in self.ready],
             "next_group": self.next_group,
-            "rank_costs": list(self.rank_costs),
             "stats": self.stats.to_row(),
         }
 
@@ -259,7 +270,8 @@ class _Replica:
         self.next_row, self.replay_until = int(position["read_from"]), int(position["planned_until"])
         self.source_positions = {self.next_row: position["source_state"]}
         self.unassigned = [list(p) for p in position["unassigned"]]
-        self.next_group, self.rank_costs = int(position["next_group"]), [int(c) for c in position["rank_costs"]]
+        self.ready = [[list(p) for p in group] for group in position["ready"]]
+        self.next_group = int(position["next_group"])
         self.stats = PackStats.from_row(self.stats.sources, position["stats"])
 
     # ------------------------------------------------------------------------------------------------ main loop
@@ -284,7 +296,7 @@ class _Replica:
                 packs = self.planner.add(index, meta.num_tokens, meta.num_images, meta.vision_patches)
                 if packs and not self._assign_groups(packs, put):
                     return
-        if not self._assign_groups(self.planner.flush(), put, spread=self.cfg.leftovers == "spread"):
+        if not self._assign_groups(self.planner.flush(), put, final=True, spread=self.cfg.leftovers == "spread"):
             return
         self.stats.leftover_packs = len(self.unassigned)
         self.stats.leftover_samples = sum(len(p) for p in self.unassigned)
@@ -306,7 +318,7 @@ class _Replica:
             if count:
                 self._skip(err, index, source=source, planning=True)
             else:  # planned before, failing now on resume: processing reports it
-                self.held[index] = (row, None, source)
+                self.held[index] = (row, None, source, 0.0)
             return None
         for reason, value, name in (
             ("too_many_images", meta.num_images, "max_images"),
@@ -318,7 +330,8 @@ class _Replica:
                     error = SampleError(reason, f"{value:,} > {name}={limit:,}; raise {name}")
                     self._skip(error, index, source=source, planning=True)
                 return None
-        self.held[index] = (row, meta.num_tokens, source)
+        cost = self.cfg.model_config.sample(meta.num_tokens, meta.vision_patches, meta.vision_sq)
+        self.held[index] = (row, meta.num_tokens, source, cost)
         if count:
             self.stats.add_padded(meta.num_tokens)
             self.stats.kept[source] += 1
@@ -343,20 +356,30 @@ class _Replica:
         packs: list[list[int]],
         put: Callable[[Any], bool] | None,
         *,
+        final: bool = False,
         spread: bool = False,
     ) -> bool:
-        """Assigns every full group of `world` closed packs, one pack per rank, and processes and `put`s this replica's.
-        With `spread` (``leftovers="spread"``, at the end) the last incomplete group goes one pack per rank, in rank
-        order, ranks past its end getting a 1-token filler: every pack is yielded once and ranks take equal steps."""
+        """Schedules each full balance window of closed packs (at the end, `final`, every full group of `world`) into
+        groups of one pack per rank, then processes and `put`s this replica's. With `spread` (``leftovers="spread"``,
+        at the end) the last incomplete group goes one pack per rank, in rank order, ranks past its end getting a
+        1-token filler: every pack is yielded once and ranks take equal steps."""
         self.stats.planned_packs += len(packs)
         self.unassigned.extend(packs)
         self._prune()
+        window = self.world * self.cfg.batch_size * self.cfg.balance_window if self.world > 1 else 1
+        while len(self.unassigned) >= window or (final and len(self.unassigned) >= self.world):
+            take = window if len(self.unassigned) >= window else len(self.unassigned) // self.world * self.world
+            chunk, self.unassigned = self.unassigned[:take], self.unassigned[take:]
+            costs = [sum(self.held[i][3] for i in pack) for pack in chunk]
+            groups = schedule(costs, world=self.world, per_rank=self.cfg.batch_size)
+            self.ready += [[chunk[k] for k in group] for group in groups]
         planner = None  # the planner's state does not change here: taken once, when a position first needs it
-        while len(self.unassigned) >= self.world or (spread and self.unassigned):
-            group, self.unassigned = self.unassigned[: self.world], self.unassigned[self.world :]
-            if len(group) == self.world:
-                pack = self._assign(group)
+        while self.ready or (spread and self.unassigned):
+            if self.ready:
+                group = self.ready.pop(0)
+                pack = group[self.rank]
             else:
+                group, self.unassigned = self.unassigned, []
                 pack = group[self.rank] if self.rank < len(group) else []
             mine = put is not None and (self.next_group // self.cfg.batch_size) % self.workers == self.worker
             self.next_group += 1
@@ -390,22 +413,11 @@ class _Replica:
         for row in [row for row in self.source_positions if row < oldest]:
             del self.source_positions[row]
 
-    def _assign(self, group: list[list[int]]) -> list[int]:
-        """One pack per rank: the costliest pack to the rank with the least cumulative cost (ties: lower index)."""
-        cost = [sum(n + n * n // ATTENTION_TOKENS for n in (self.held[i][1] or 0 for i in p)) for p in group]
-        packs = sorted(range(len(group)), key=lambda k: (-cost[k], k))
-        ranks = sorted(range(self.world), key=lambda r: (self.rank_costs[r], r))
-        for k, r in zip(packs, ranks, strict=True):
-            self.rank_costs[r] += cost[k]
-        low = min(self.rank_costs)
-        self.rank_costs = [c - low for c in self.rank_costs]
-        return group[packs[ranks.index(self.rank)]]
-
     def _process(self, pack: list[int]) -> list[dict[str, Any]]:
         """The processed samples of `pack`; a filler instead when it is empty or none of its samples can be used."""
         samples = []
         for index in pack:
-            row, planned, source = self.held[index]
+            row, planned, source, _ = self.held[index]
             try:
                 sample = self.preprocessors[source].process(
                     self.source.fetch(index) if self.source.lazy else row, index, planned_tokens=planned
@@ -449,13 +461,20 @@ class PackedDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"on_error must be 'skip' or 'raise', got {cfg.on_error!r}")
         if cfg.leftovers not in ("drop", "spread"):
             raise ValueError(f"leftovers must be 'drop' or 'spread', got {cfg.leftovers!r}")
-        if cfg.batch_size < 1 or cfg.prefetch < 1 or cfg.buffer_size < 1:
-            raise ValueError("batch_size, prefetch and buffer_size must be >= 1")
-        cfg = dataclasses.replace(cfg, row_format=source_formats(ds, cfg.row_format))  # once per source, own columns
+        if cfg.batch_size < 1 or cfg.prefetch < 1 or cfg.buffer_size < 1 or cfg.balance_window < 1:
+            raise ValueError("batch_size, prefetch, buffer_size and balance_window must be >= 1")
+        cost = cfg.model_config if isinstance(cfg.model_config, WorkCost) else WorkCost.from_config(cfg.model_config)
+        # the formats once per source, from its own columns
+        cfg = dataclasses.replace(cfg, row_format=source_formats(ds, cfg.row_format), model_config=cost)
         self.cfg, self.processor, self.rank, self.world_size = cfg, processor, rank, world_size
         self.weights = dict(weights) if isinstance(weights, Mapping) else list(weights) if weights is not None else None
+        names = [str(n) for n in ds] if isinstance(ds, Mapping) else []
+        pres = cfg.preprocessors(processor, names)  # validates the settings here rather than in a worker
+        if isinstance(ds, Mapping):
+            ds = {name: self._indexed(part, pres[str(name)]) for name, part in ds.items()}
+        else:
+            ds = self._indexed(ds, pres[None])
         self._source, self._names = make_source(ds, weights, cfg.seed, cfg.stopping_strategy)
-        cfg.preprocessors(processor, self._names)  # validates the settings here rather than in a worker
         # one row per replica of this process: start and last-update times, then its PackStats row
         width = 2 + len(PackStats(self._names).to_row())
         self._shared = torch.zeros((_MAX_SLOTS, width), dtype=torch.float64).share_memory_()
@@ -463,6 +482,34 @@ class PackedDataset(torch.utils.data.IterableDataset):
         self._state: dict[str, Any] | None = None  # after the last pack yielded, or where this iteration started
         self._len: int | None = None
         self._epoch = 0
+
+    def _indexed(self, ds: Any, preprocessor: Preprocessor) -> Any:
+        """`ds` with its length index (a `datasets.Dataset` under `length_index="auto"`, `True` or a directory), built
+        by the first process of each node while the others wait, then read from its cache file by them."""
+        import datasets
+
+        mode = self.cfg.length_index
+        if mode is False or not isinstance(ds, datasets.Dataset):
+            return ds
+        if mode not in ("auto", True) and not isinstance(mode, (str, os.PathLike)):
+            raise ValueError(f"length_index must be 'auto', True, False or a directory, got {mode!r}")
+        cache_dir = None if mode in ("auto", True) else mode
+        dist = torch.distributed
+        wait = dist.is_available() and dist.is_initialized() and (cache_dir is not None or bool(ds.cache_files))
+        first = int(os.environ.get("LOCAL_RANK", dist.get_rank() if wait else 0)) == 0
+        if wait and not first:
+            dist.barrier()  # the node's first process builds the file; this one then reads it
+        try:
+            return with_length_index(
+                ds,
+                preprocessor,
+                cache_dir=cache_dir,
+                num_proc=self.cfg.index_num_proc,
+                progress=not self.cfg.disable_progress and first,
+            )
+        finally:
+            if wait and first:
+                dist.barrier()
 
     def _rank_world(self) -> tuple[int, int]:
         if self.rank is None or self.world_size is None:
@@ -479,7 +526,12 @@ class PackedDataset(torch.utils.data.IterableDataset):
         return {**self.__dict__, "_state": None}
 
     def _config(self) -> dict[str, Any]:
-        return {**{k: getattr(self.cfg, k) for k in _PLAN_KEYS}, "sources": list(self._names), "weights": self.weights}
+        return {
+            **{k: getattr(self.cfg, k) for k in _PLAN_KEYS},
+            "cost": self.cfg.model_config.to_list(),
+            "sources": list(self._names),
+            "weights": self.weights,
+        }
 
     def _header(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "config": self._config(), "epoch": self._epoch}
@@ -715,6 +767,10 @@ def pack_dataset(
     max_image_pixels: int = MAX_IMAGE_PIXELS,
     disable_progress: bool = False,
     leftovers: str = "drop",
+    model_config: Any = None,
+    balance_window: int = 16,
+    length_index: bool | str | os.PathLike = "auto",
+    index_num_proc: int | None = None,
 ) -> PackedDataset:
     """Streams packs of processed multimodal samples: rank-equal, the same for any `num_workers`, resumable.
 
@@ -745,7 +801,8 @@ def pack_dataset(
             `"truncate_text"`: keep the first `max_length` tokens if every vision span ends inside them, else drop
             (reason `"overlong_vision"`); an image is never cut.
         on_error (`str`, defaults to `"skip"`): skip bad rows and count them by reason, or `"raise"`.
-        rank, world_size (`int`, *optional*): default to torch.distributed if initialized, else 0 and 1.
+        rank, world_size (`int`, *optional*): default to torch.distributed if initialized, else 0 and 1. With a
+            process group every rank must call `pack_dataset` (the length index build waits at a barrier).
         prefetch (`int`, defaults to 4): packs the producer thread may run ahead of the consumer.
         batch_size (`int`, defaults to 1): the DataLoader's batch size in packs; workers take packs in blocks of it so
             batches do not depend on `num_workers`.
@@ -756,6 +813,21 @@ def pack_dataset(
         leftovers (`str`, defaults to `"drop"`): the last group of fewer than `world_size` packs: `"drop"` leaves it
             over (counted in `stats()`); `"spread"` gives it one pack per rank and the remaining ranks a 1-token
             unsupervised filler, so each pack is yielded exactly once: use it for eval sets.
+        model_config (`PretrainedConfig` or [`~hf_packing.balance.WorkCost`], *optional*): the model's config
+            (`model.config`), which weighs a pack's text and vision work for rank balance; Qwen2.5-VL-7B's without it.
+            Pass `WorkCost.from_config(model.config, vision_trainable=False)` for a frozen vision tower.
+        balance_window (`int`, defaults to 16): steps (of `world_size · batch_size` packs) sorted by cost together, so
+            each step holds packs of similar cost (with 64 ranks the slowest rank's excess drops from 4-12% to
+            0.2-1.5%, `benchmarks/RESULTS.md`). A replica holds that many steps' packs' rows (with 64 ranks, ~12k
+            LLaVA rows: metadata only for an indexed `datasets.Dataset`, whole rows from a stream: lower it for
+            streams that embed image bytes).
+        length_index (`"auto"`, `bool` or `str`, defaults to `"auto"`): for a `datasets.Dataset` (or a mix's
+            map-style sources), estimate every row once into cached columns ([`~hf_packing.length_index`]; next to
+            the dataset's cache files, or in the directory given here) that every worker of every rank plans from;
+            the first process of each node builds it, the others wait and read the file. `False`: every replica
+            estimates every row. Streaming sources always estimate as they read.
+        index_num_proc (`int`, *optional*): processes building the index (default: 1 below 20,000 rows, else the
+            usable cores, at most 32).
 
     Returns:
         [`PackedDataset`]: a `torch.utils.data.IterableDataset` of packs with `state_dict()`, `load_state_dict()`,

@@ -487,3 +487,22 @@ def test_a_stream_that_yields_nothing_is_an_error(data, tmp_path):
         list(DataLoader(mix, batch_size=None, num_workers=1))  # raised in the worker, re-raised here
     with pytest.raises(NoSamplesError, match="1 pack planned, none for any of world_size=2 ranks"):
         list(make(data, texts, rank=1, world_size=2))
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_resume_with_ranks_and_a_balance_window(data, batch_size):
+    """Two ranks, packs scheduled two steps at a time: a resumed rank continues with exactly its remaining packs, and
+    both ranks get as many packs."""
+    kw = {"world_size": 2, "batch_size": batch_size, "balance_window": 2}
+    full = [ids(make(data, rank=r, **kw)) for r in range(2)]
+    assert len(full[0]) == len(full[1]) > 3
+    for rank in range(2):
+        for k in (1, 3, len(full[rank]) - 1):
+            train = make(data, rank=rank, **kw)
+            it = iter(train)
+            head = [next(it) for _ in range(k)]
+            state = json.loads(json.dumps(train.state_dict()))
+            it.close()
+            resumed = make(data, rank=rank, **kw)
+            resumed.load_state_dict(state)
+            assert ids(head) + ids(resumed) == full[rank], (rank, k)
