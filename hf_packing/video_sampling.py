@@ -115,7 +115,9 @@ class VideoSampling:
             total_num_frames=info.frames, fps=info.fps, duration=info.duration, width=info.width, height=info.height
         )
         try:
-            chosen = [int(i) for i in self.processor.sample_frames(meta)]
+            # passed as the processor passes them (Qwen3-VL's sample_frames reads num_frames from its arguments only)
+            vp = self.processor
+            chosen = [int(i) for i in vp.sample_frames(meta, num_frames=vp.num_frames, fps=vp.fps)]
         except (ValueError, ZeroDivisionError) as err:  # Qwen2-VL's rule divides by 0 frames on a 1-frame clip
             raise SampleError("empty_video", f"no frames to sample from {info.frames} ({err})") from None
         if not chosen:
