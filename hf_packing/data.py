@@ -13,6 +13,9 @@ costs ~1.5 ms of CPU per sample (template, tokenizer, headers) against ~26 ms fo
 equals the estimate. [`Preprocessor.metadata_columns`] stores
 the estimate as columns (one `ds.map`), so a large run plans from columns instead.
 
+Videos follow the same split: a file's tokens come from its header (`video.py`) and the processor's own frame sampling
+and patch rules (`video_sampling.py`); processing decodes only the frame indices the estimate counted.
+
 Bad input raises [`SampleError`] with a `reason` from [`REASONS`]; the caller skips and counts it (see
 [`SkipCounter`]). Odd image modes (CMYK, RGBA/LA/P with alpha on white, 16-bit, float) are converted, not refused.
 """

@@ -69,7 +69,7 @@ def per_source_videos_kwargs(value: Any, names: Sequence[str]) -> dict[str | Non
     """`videos_kwargs` for every source: one mapping of [`VIDEO_KWARGS`] for all, or `{source name: mapping}`."""
     from .formats import per_source
 
-    if isinstance(value, Mapping) and set(value) <= set(VIDEO_KWARGS) and not set(value) & set(names):
+    if isinstance(value, Mapping) and (not names or (set(value) <= set(VIDEO_KWARGS) and not set(value) & set(names))):
         return dict.fromkeys(list(names) or [None], value)  # one set of kwargs for every source
     return per_source(value, names, "videos_kwargs")
 
@@ -100,6 +100,7 @@ class VideoSampling:
         self._helper_rounds_up = vp.get_num_of_video_patches(self.tps + 1, side, side, {}) > (
             vp.get_num_of_video_patches(self.tps, side, side, {})
         )
+        self._cap_by_hand = bool(getattr(vp, "cap_pixels_per_frame", None)) and _helper_ignores_cap(vp)
 
     def indices(self, info: VideoInfo) -> list[int]:
         """The frames of a file the processor would sample, from its header metadata only.
@@ -132,7 +133,7 @@ class VideoSampling:
             Qwen3-VL).
         """
         try:
-            n = int(self.processor.get_num_of_video_patches(frames, height, width, {}))
+            n = int(self.processor.get_num_of_video_patches(frames, height, width, self._cap_kwargs(frames)))
         except ValueError as err:
             reason = "bad_aspect_ratio" if "aspect ratio" in str(err) else "empty_video"
             raise SampleError(reason, str(err)) from None
@@ -142,6 +143,17 @@ class VideoSampling:
             n, helper_t = int(self.processor.get_num_of_video_patches(self.tps, height, width, {})), 1
         return grid_t, n // helper_t
 
+    def _cap_kwargs(self, frames: int) -> dict[str, Any]:
+        """Qwen2-VL's `resize` applies `cap_pixels_per_frame` (an even share of `max_video_tokens` per frame) but its
+        patch-count helper does not: the same bound, given to the helper as the size."""
+        if not self._cap_by_hand:
+            return {}
+        vp, size = self.processor, self.processor.size
+        factor = vp.patch_size * vp.merge_size
+        share = int(vp.max_video_tokens * factor * factor * 0.9) * self.tps // frames
+        longest = max(min(size["longest_edge"], share), int(size["shortest_edge"] * 1.05))
+        return {"size": {"shortest_edge": size["shortest_edge"], "longest_edge": longest}}
+
     def processor_kwargs(self) -> dict[str, Any]:
         """`videos_kwargs` for the processor call on already sampled frames (the pixel budget, when set)."""
         s = self.settings
@@ -149,3 +161,11 @@ class VideoSampling:
             return {}
         size = self.processor.size
         return {"size": {"shortest_edge": size["shortest_edge"], "longest_edge": size["longest_edge"]}}
+
+
+def _helper_ignores_cap(vp: Any) -> bool:
+    """Whether `get_num_of_video_patches` leaves out `cap_pixels_per_frame` (Qwen2-VL's on transformers 5.23)."""
+    capped, plain = copy.copy(vp), copy.copy(vp)
+    capped.cap_pixels_per_frame, plain.cap_pixels_per_frame = True, False
+    args = (768, 2048, 2048, {})  # far over any cap
+    return capped.get_num_of_video_patches(*args) == plain.get_num_of_video_patches(*args)

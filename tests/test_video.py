@@ -110,6 +110,25 @@ def test_settings_follow_the_processors_rules(processors, clips):
     assert (webm.frames, webm.fps) == (17, 10.0)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_per_frame_pixel_cap_is_counted(clips, family):
+    """`cap_pixels_per_frame=True` (qwen-vl-utils' bound, transformers' coming default) shrinks frames by how many there
+    are; Qwen2-VL's patch helper leaves it out, so the estimate applies it. Negative control: uncapped counts differ."""
+    counts = {}
+    for cap in (True, False):
+        proc = load_processor(family)
+        proc.video_processor.cap_pixels_per_frame, proc.video_processor.max_video_tokens = cap, 2
+        pre = Preprocessor(proc, media_root=clips, videos_kwargs={"do_sample_frames": False, "min_pixels": 1024})
+        for name in ("mpeg4.mp4", "long.mp4"):
+            row = {"video": name, "conversations": turns()}
+            meta = pre.estimate(row)
+            sample = pre.process(row, planned_tokens=meta.num_tokens)
+            assert meta.num_tokens == sample["num_tokens"] and meta.vision_patches == sample["video_grid_thw"].prod()
+            counts[cap, name] = meta.num_tokens
+    print(family, counts)
+    assert any(counts[True, n] != counts[False, n] for n in ("mpeg4.mp4", "long.mp4"))
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"fps": 1, "num_frames": 4}, {"frames": 4}, {"fps": 0}, {"max_frames": 2.5}, {"do_sample_frames": "no"}],
