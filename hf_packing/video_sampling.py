@@ -89,11 +89,10 @@ class VideoSampling:
         vp.min_frames = vp.min_frames if s.min_frames is None else s.min_frames
         vp.max_frames = vp.max_frames if s.max_frames is None else s.max_frames
         if s.min_pixels is not None or s.max_pixels is not None:
-            size = dict(vp.size.items()) if hasattr(vp.size, "items") else dict(vars(vp.size))
-            size = {"shortest_edge": size["shortest_edge"], "longest_edge": size["longest_edge"]}
-            size["shortest_edge"] = size["shortest_edge"] if s.min_pixels is None else s.min_pixels
-            size["longest_edge"] = size["longest_edge"] if s.max_pixels is None else s.max_pixels
-            vp.size = type(video_processor.size)(**size)
+            vp.size = type(vp.size)(
+                shortest_edge=vp.size["shortest_edge"] if s.min_pixels is None else s.min_pixels,
+                longest_edge=vp.size["longest_edge"] if s.max_pixels is None else s.max_pixels,
+            )
         self.tps = int(vp.temporal_patch_size)
         # transformers 5.17's helper floors the frame count while processing pads it up; later ones round up
         side = 4 * vp.patch_size * vp.merge_size
