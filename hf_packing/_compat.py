@@ -105,3 +105,33 @@ def fla_linear_ops() -> SimpleNamespace | None:
     if "cu_seqlens" not in inspect.signature(causal_conv1d).parameters:
         return None
     return SimpleNamespace(chunk_gated_delta_rule=chunk_gated_delta_rule, causal_conv1d=causal_conv1d)
+
+
+@cache
+def torchcodec_decoder():
+    """torchcodec's ``VideoDecoder`` when torchcodec imports *and* loads its FFmpeg libraries, else ``None``.
+
+    torchcodec's wheel links the system FFmpeg (``libavcodec.so.N``, N in 4-9): ``import torchcodec`` succeeds
+    without it, and only the first decoder raises, so the probe checks the library load itself.
+    """
+    if importlib.util.find_spec("torchcodec") is None:
+        return None
+    try:
+        from torchcodec._core import ops
+        from torchcodec.decoders import VideoDecoder
+    except Exception:  # older releases raise at import when FFmpeg is missing
+        return None
+    if getattr(ops, "_FFMPEG_AVAILABLE", True) is False:
+        return None
+    return VideoDecoder
+
+
+@cache
+def pyav() -> ModuleType | None:
+    """The ``av`` module (PyAV, FFmpeg bundled in its wheel), or ``None`` when not installed."""
+    if importlib.util.find_spec("av") is None:
+        return None
+    try:
+        return importlib.import_module("av")
+    except Exception:
+        return None

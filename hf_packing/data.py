@@ -11,7 +11,10 @@ Qwen3-VL) gives each image's `patches / merge**2` tokens. With the tiny test pro
 costs ~1.5 ms of CPU per sample (template, tokenizer, headers) against ~26 ms for a full [`Preprocessor.process`]
 (decode, convert, resize, patchify), which runs only for samples placed in a pack and checks that the processed length
 equals the estimate. [`Preprocessor.metadata_columns`] stores
-the estimate as columns (`hf_packing.length_index` builds them once with `ds.map`), so a large run plans from columns.
+the estimate as columns (one `ds.map`), so a large run plans from columns instead.
+
+Videos follow the same split: a file's tokens come from its header (`video.py`) and the processor's own frame sampling
+and patch rules (`video_sampling.py`); processing decodes only the frame indices the estimate counted.
 
 Bad input raises [`SampleError`] with a `reason` from [`REASONS`]; the caller skips and counts it (see
 [`SkipCounter`]). Odd image modes (CMYK, RGBA/LA/P with alpha on white, 16-bit, float) are converted, not refused.
@@ -34,17 +37,21 @@ import torch
 from .formats import FORMATS, normalize_row, row_fps
 from .images import MAX_IMAGE_PIXELS, REASONS, ImageLoader, OverlongError, SampleError
 from .loss import IGNORE_INDEX
+from .video import VideoInfo, VideoLoader, is_file_ref
+from .video_sampling import VideoSampling
 
 logger = logging.getLogger("hf_packing")
 
 
-#: a row's planning metadata as columns (`hf_packing.length_index`): tokens, images, Σ t·h·w, Σ t·(h·w)², and for a
-#: refused row its reason and message (tokens -1)
+#: a row's planning metadata as columns (`hf_packing.length_index`): tokens, images, Σ t·h·w, Σ t·(h·w)², videos and
+#: their `<|video_pad|>` tokens, and for a refused row its reason and message (tokens -1)
 META_COLUMNS = (
     "hfp_num_tokens",
     "hfp_num_images",
     "hfp_vision_patches",
     "hfp_vision_sq",
+    "hfp_num_videos",
+    "hfp_video_tokens",
     "hfp_skip",
     "hfp_skip_message",
 )
@@ -90,20 +97,31 @@ class SkipCounter(Counter):
 @dataclass(frozen=True)
 class SampleMeta:
     """What the planner needs, from metadata only: tokens (after truncation), images, Σ t·h·w vision patches, and
-    Σ t·(h·w)² (the vision tower's attention work: each image or video frame attends within itself)."""
+    Σ t·(h·w)² (the vision tower's attention work: each image or video frame attends within itself); for
+    statistics, videos and their `<|video_pad|>` tokens."""
 
     num_tokens: int
     num_images: int
     vision_patches: int
     vision_sq: int = 0
+    num_videos: int = 0
+    video_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class _Video:
+    ref: Any  # a file reference or pre-sampled frames
+    info: VideoInfo  # from headers
+    frames: int  # what the processor receives: len(indices) of a file, or every pre-sampled frame
+    indices: list[int] | None  # the file's frames to decode; None for pre-sampled frames
+    metadata: dict[str, Any]  # `VideoMetadata` fields for the processor: fps and frame indices give time
 
 
 @dataclass
 class _Prepared:
     text: str  # the rendered chat template, one placeholder per image/video (what the processor receives)
     images: list[Any]
-    videos: list[Any]
-    fps: list[float | None]  # per video; None: the processor's default (24)
+    videos: list[_Video]
     ids: np.ndarray  # tokens of `text`, videos' placeholders expanded with each pad run compressed to one token
     repeats: np.ndarray  # how many tokens each of `ids` becomes in the processed sample
     supervised: np.ndarray  # bool per `ids` entry
@@ -116,8 +134,8 @@ class Preprocessor:
     Args:
         processor: a Qwen-VL processor (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`, `Qwen3VLProcessor`).
         max_length (`int`, *optional*): token budget (`None`: none); longer samples follow `on_overlong`.
-        media_root, video_root, fps, train_on, on_overlong, max_image_pixels: one source's value of the
-            [`~hf_packing.stream.pack_dataset`] setting of that name (`image_root`: `media_root`'s former name).
+        media_root, video_root, fps, videos_kwargs, train_on, on_overlong, max_image_pixels: one source's value of
+            the [`~hf_packing.stream.pack_dataset`] setting of that name (`image_root`: `media_root`'s former name).
         row_format (`str`, defaults to `"auto"`): `"messages"`, `"llava"`, or `"auto"` per row (see `formats.py`).
     """
 
@@ -129,6 +147,7 @@ class Preprocessor:
         media_root: str | os.PathLike | None = None,
         video_root: str | os.PathLike | None = None,
         fps: float | None = None,
+        videos_kwargs: Mapping[str, Any] | None = None,
         row_format: str = "auto",
         train_on: str = "assistant",
         on_overlong: str = "drop",
@@ -146,9 +165,11 @@ class Preprocessor:
         self.processor, self.max_length, self.train_on, self.on_overlong = processor, max_length, train_on, on_overlong
         root = media_root if media_root is not None else image_root
         self.images = ImageLoader(image_root=root, max_image_pixels=max_image_pixels)
-        self.frames = ImageLoader(
-            image_root=root if video_root is None else video_root, max_image_pixels=max_image_pixels
+        self.videos = VideoLoader(
+            video_root=root if video_root is None else video_root, max_image_pixels=max_image_pixels
         )
+        video_processor = getattr(processor, "video_processor", None)
+        self.sampling = VideoSampling(video_processor, videos_kwargs) if video_processor is not None else None
         self.fps, self.row_format = fps, row_format
         self.tokenizer = getattr(processor, "tokenizer", processor)
         ids = self.tokenizer.convert_tokens_to_ids
@@ -181,9 +202,9 @@ class Preprocessor:
         except Exception as err:  # noqa: BLE001 - counted like planning counts it (unexpected_error)
             known = isinstance(err, SampleError)
             reason, message = (err.reason, str(err)) if known else ("unexpected_error", f"{type(err).__name__}: {err}")
-            return dict(zip(META_COLUMNS, (-1, 0, 0, 0, reason, message), strict=True))
-        values = (meta.num_tokens, meta.num_images, meta.vision_patches, meta.vision_sq, "", "")
-        return dict(zip(META_COLUMNS, values, strict=True))
+            return dict(zip(META_COLUMNS, (-1, 0, 0, 0, 0, 0, reason, message), strict=True))
+        counts = (meta.num_tokens, meta.num_images, meta.vision_patches, meta.vision_sq, meta.num_videos)
+        return dict(zip(META_COLUMNS, (*counts, meta.video_tokens, "", ""), strict=True))
 
     def planned_meta(self, row: Mapping[str, Any], index: Any = None) -> SampleMeta:
         """What the planner uses: the row's [`META_COLUMNS`] when it has them, else [`estimate`]. Columns computed with
@@ -191,26 +212,27 @@ class Preprocessor:
         found when the sample is processed (reason `"overlong_vision"`)."""
         if META_COLUMNS[0] not in row:
             return self.estimate(row, index)
-        tokens, images, patches, vision_sq, skip, message = (row[c] for c in META_COLUMNS)
+        tokens, images, patches, vision_sq, videos, video_tokens, skip, message = (row[c] for c in META_COLUMNS)
         if skip:
             raise SampleError(skip, message or f"refused when the metadata columns were computed ({skip})")
         if self.max_length is not None and tokens > self.max_length:
             tokens = self._truncate(index, np.array([tokens]), np.zeros(1, bool), np.ones(1, bool))
-        return SampleMeta(tokens, images, patches, vision_sq)
+        return SampleMeta(tokens, images, patches, vision_sq, videos, video_tokens)
 
     def _prepare(self, row: Mapping[str, Any], index: Any) -> _Prepared:
-        messages, images, videos = normalize_row(row, index, row_format=self.row_format)
-        fps = row_fps(row, len(videos), self.fps)
+        messages, images, refs = normalize_row(row, index, row_format=self.row_format)
+        fps = row_fps(row, len(refs), self.fps, frames=[not is_file_ref(ref) for ref in refs])
         if self.train_on == "assistant" and not any(m["role"] == "assistant" for m in messages):
             raise SampleError("no_assistant_turn", "no assistant turn to supervise (or set train_on='all')")
         text = self.processor.apply_chat_template(messages, tokenize=False)
         if text.count(self.image_token) != len(images) or (
-            self.video_token and text.count(self.video_token) != len(videos)
+            self.video_token and text.count(self.video_token) != len(refs)
         ):
             raise SampleError("placeholder_mismatch", "the text itself contains image/video placeholder tokens")
         img_patches = [self._image_patches(ref) for ref in images]
         spans = self._supervised_spans(messages, text)
-        compressed, vid_runs, vid_patches, shift = self._expand_videos(text, videos, fps)
+        videos = [self._video(ref, rate) for ref, rate in zip(refs, fps, strict=True)]
+        compressed, vid_runs, vid_patches, shift = self._expand_videos(text, videos)
         enc = self.tokenizer(compressed, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
         starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
@@ -230,9 +252,10 @@ class Preprocessor:
             vision |= (starts >= a) & (starts < b)
         supervised &= ~vision
         num_tokens = self._truncate(index, repeats, vision, supervised)
+        patches = sum(img_patches) + sum(vid_patches[0])
         vision_sq = sum(p * p for p in img_patches) + sum(vid_patches[2])
-        meta = SampleMeta(num_tokens, len(images), sum(img_patches) + sum(vid_patches[0]), vision_sq)
-        return _Prepared(text, images, videos, fps, ids, repeats, supervised, meta)
+        meta = SampleMeta(num_tokens, len(images), patches, vision_sq, len(videos), sum(vid_runs))
+        return _Prepared(text, images, videos, ids, repeats, supervised, meta)
 
     def _supervised_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]] | None:
         """Character spans of assistant content + end-of-turn token in `text` (`None` = supervise everything)."""
@@ -252,11 +275,18 @@ class Preprocessor:
                 spans.append((len(head), len(turn.rstrip())))
         return spans
 
+    def _video(self, ref: Any, rate: float | None) -> _Video:
+        """A video's plan from headers: a file's sampled frame indices, or pre-sampled frames taken at `rate`."""
+        if self.sampling is None:
+            raise SampleError("unsupported_video", f"{type(self.processor).__name__} has no video processor")
+        info = self.videos.info(ref, rate)
+        if not info.is_file:
+            return _Video(ref, info, info.frames, None, _video_metadata(info, rate, list(range(info.frames))))
+        indices = self.sampling.indices(info)
+        return _Video(ref, info, len(indices), indices, _video_metadata(info, info.fps, indices))
+
     def _expand_videos(
-        self,
-        text: str,
-        videos: list[Any],
-        fps: list[float | None],
+        self, text: str, videos: list[_Video]
     ) -> tuple[str, list[int], tuple[list[int], list, list[int]], Any]:
         """Replace each video placeholder by the processor's own expansion (Qwen3 adds timestamps), pad runs of one."""
         if not videos:
@@ -265,17 +295,12 @@ class Preprocessor:
 
         pieces, runs, patches, ranges, edits, squares = [], [], [], [], [], []
         pos, out_len = 0, 0
-        for ref, rate in zip(videos, fps, strict=True):
-            frames, height, width = self.frames.video_shape(ref)
-            # Patches of one temporal patch, times grid_t rounded up as the processor pads frames; the helper's own
-            # frame count floors on transformers 5.17 while its processing rounds up.
-            tps = self.processor.video_processor.temporal_patch_size
-            per_t = self.processor.video_processor.get_num_of_video_patches(tps, height, width, {})
-            grid_t = -(-frames // tps)
+        for video in videos:
+            grid_t, per_t = self.sampling.grid(video.frames, video.info.height, video.info.width)
             n = per_t * grid_t
             fake = {
                 "video_grid_thw": torch.tensor([[grid_t, per_t, 1]]),
-                "video_metadata": [VideoMetadata(**_video_metadata(frames, rate), width=width, height=height)],
+                "video_metadata": [VideoMetadata(**video.metadata)],
             }
             repl = self.processor.replace_video_token(fake, 0)
             runs += [len(r) // len(self.video_token) for r in re.findall(f"(?:{re.escape(self.video_token)})+", repl)]
@@ -349,16 +374,15 @@ class Preprocessor:
         """
         prep = self._prepare(row, index)
         images = [self.images.load_rgb(ref) for ref in prep.images] or None
-        videos = [self.frames.load_video(ref) for ref in prep.videos] or None
+        videos = [self.videos.load(v.ref, v.info, v.indices) for v in prep.videos] or None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             kwargs = (
                 {
                     "videos_kwargs": {
-                        "do_sample_frames": False,
-                        "video_metadata": [
-                            _video_metadata(len(v), rate) for v, rate in zip(videos, prep.fps, strict=True)
-                        ],
+                        "do_sample_frames": False,  # sampled here, by the indices the estimate counted
+                        "video_metadata": [dict(v.metadata) for v in prep.videos],  # the processor may edit them
+                        **self.sampling.processor_kwargs(),
                     }
                 }
                 if videos
@@ -386,6 +410,15 @@ class Preprocessor:
         return sample
 
 
-def _video_metadata(frames: int, fps: float | None) -> dict[str, Any]:
-    """Pre-sampled frames taken at `fps`: what transformers turns into `second_per_grid_ts` and timestamps."""
-    return {"total_num_frames": frames, "fps": fps, "frames_indices": list(range(frames))}
+def _video_metadata(info: VideoInfo, fps: float | None, indices: list[int]) -> dict[str, Any]:
+    """`VideoMetadata` fields of the frames at `indices` of a video of `info.frames` frames at `fps`: what transformers
+    turns into `second_per_grid_ts` (sampled fps = len(indices) / frames · fps) and Qwen3-VL timestamps (index / fps).
+    """
+    return {
+        "total_num_frames": info.frames,
+        "fps": fps,
+        "frames_indices": indices,
+        "duration": info.duration,
+        "width": info.width,
+        "height": info.height,
+    }

@@ -6,10 +6,11 @@
   or `images` and `video` or `videos`, tags are `<image>` / `<video>` in the text.
 
 A source's format is given (`row_format=`) or detected once from its own columns, so the `None` columns that
-`datasets.interleave_datasets` adds to every row of a mix never decide it. A video is a file path (not decoded here:
-skipped as `"unsupported_video"`, or `"missing_file"`) or pre-sampled frames (a `(T, H, W, C)` array or a list of
-images; in `videos` a nested list per video) whose sampling rate is the row's `fps` or the source's. A row whose
-tags and media disagree is skipped as `"placeholder_mismatch"`: never trained with a tag left as text.
+`datasets.interleave_datasets` adds to every row of a mix never decide it. A video is a file (a path, bytes or
+`{"bytes", "path"}`; sampled by the source's `videos_kwargs`, see `video_sampling.py`) or pre-sampled frames (a
+`(T, H, W, C)` array or a list of images; in `videos` a nested list per video) whose sampling rate is the row's `fps`
+or the source's. A row whose tags and media disagree is skipped as `"placeholder_mismatch"`: never trained with a tag
+left as text.
 
 A source that gives no sample over a full pass raises [`NoSamplesError`] with its top skip reasons.
 """
@@ -202,14 +203,20 @@ def normalize_row(
     return messages, images, videos
 
 
-def row_fps(row: Mapping[str, Any], num_videos: int, default: float | None = None) -> list[float | None]:
-    """The sampling rate of each video's frames: the row's `fps` (one number, or one per video), else `default`."""
+def row_fps(
+    row: Mapping[str, Any], num_videos: int, default: float | None = None, *, frames: Sequence[bool] | None = None
+) -> list[float | None]:
+    """The sampling rate of each video's frames: the row's `fps` (one number, or one per video), else `default`.
+
+    `frames` marks the videos given as pre-sampled frames (default: all); only they need a rate (a file's is in its
+    header), so only they warn without one.
+    """
     value = row.get("fps")
     value = default if value is None else value
     rates = list(value) if isinstance(value, (list, tuple)) else [value] * num_videos
     if len(rates) != num_videos or not all(r is None or (isinstance(r, (int, float)) and r > 0) for r in rates):
         raise SampleError("bad_row", f"fps must be a positive number or one per video ({num_videos}), got {value!r}")
-    if None in rates:
+    if any(r is None and f for r, f in zip(rates, [True] * num_videos if frames is None else frames)):
         logger.warning_once(
             "video frames without fps: the processor assumes 24 fps (Qwen2.5-VL second_per_grid_ts, "
             "Qwen3-VL timestamps), wrong for frames taken seconds apart; give rows an 'fps' or pass "

@@ -22,6 +22,7 @@ from PIL import Image, ImageOps
 REASONS: tuple[str, ...] = (  # why a row is skipped: its conversation, its media, its size, its processing
     *("bad_row", "bad_text", "empty_conversation", "no_assistant_turn", "placeholder_mismatch", "missing_file"),
     *("path_outside_root", "empty_image", "corrupt_image", "image_too_large", "bad_aspect_ratio", "unsupported_video"),
+    *("empty_video", "corrupt_video", "video_too_large"),
     *("overlong", "overlong_vision", "length_mismatch", "too_many_images", "too_many_vision_patches"),
     *("empty_pack", "unexpected_error"),
 )
@@ -142,35 +143,6 @@ class ImageLoader:
             if image is not ref and rgb is not image:  # a new image, or an error: the opened one is done
                 image.close()
         return rgb
-
-    def video_shape(self, ref: Any) -> tuple[int, int, int]:
-        """`(frames, height, width)` of pre-sampled frames: a `(T, H, W, C)` array or a list of image references (all
-        read and of one size). A video file is refused: `"missing_file"`, else `"unsupported_video"` (not decoded)."""
-        if isinstance(ref, np.ndarray) and ref.ndim == 4 and ref.shape[-1] in (1, 3, 4):
-            return int(ref.shape[0]), int(ref.shape[1]), int(ref.shape[2])
-        if isinstance(ref, (list, tuple)) and ref:
-            sizes = {tuple(f.shape[:2]) if isinstance(f, np.ndarray) else self.size(f) for f in ref}
-            if len(sizes) > 1:
-                raise SampleError("bad_row", f"the frames of a video differ in size: {sorted(sizes)}")
-            return (len(ref), *sizes.pop())
-        if isinstance(ref, (str, os.PathLike)):
-            path = self.resolve(ref)
-            if not path.exists():
-                raise SampleError("missing_file", f"video file {str(path)!r} not found")
-            raise SampleError(
-                "unsupported_video",
-                f"video file {str(path)!r}: video files are not decoded yet; pass "
-                "pre-sampled frames (a list of images or a (T, H, W, C) array)",
-            )
-        raise SampleError(
-            "unsupported_video", "videos must be pre-sampled frames: a (T, H, W, C) array or a list of images"
-        )
-
-    def load_video(self, ref: Any) -> np.ndarray:
-        """The frames as one `(T, H, W, C)` uint8 array."""
-        if isinstance(ref, np.ndarray):
-            return ref
-        return np.stack([f if isinstance(f, np.ndarray) else np.asarray(self.load_rgb(f)) for f in ref])
 
 
 def _check_tail(head: bytes, tail: bytes) -> None:

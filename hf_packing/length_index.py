@@ -11,7 +11,8 @@ for 2,000 rows). For LLaVA-665k on 64 GPUs x 4 workers that is ~41 s of planning
 
 The index is a `datasets` cache file: `map(..., new_fingerprint=key)` where the key hashes the dataset's fingerprint,
 the processor (tokenizer, image/video processor config, chat template) and every setting that changes a row's
-metadata (`max_length`, `on_overlong`, `train_on`, `row_format`, media roots, `fps`, `max_image_pixels`); another
+metadata (`max_length`, `on_overlong`, `train_on`, `row_format`, media roots, `fps`, `videos_kwargs`,
+`max_image_pixels`); another
 value of any gives another file. It is written next to the dataset's own cache files (`cache-<key>.arrow`, where
 `datasets` puts a `map`), or under a directory you name; a dataset without cache files (built in memory) gets an
 in-memory index per process. Files that change on disk without the dataset changing are not seen: a stale length
@@ -21,6 +22,7 @@ is caught when its sample is processed (`"length_mismatch"`), never trained wron
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -63,7 +65,8 @@ def index_key(ds: Any, preprocessor: Preprocessor) -> str:
         "row_format": pre.row_format,
         "fps": pre.fps,
         "media_root": str(pre.images.image_root),
-        "video_root": str(pre.frames.image_root),
+        "video_root": str(pre.videos.images.image_root),
+        "videos_kwargs": None if pre.sampling is None else dataclasses.asdict(pre.sampling.settings),
         "max_image_pixels": pre.images.max_image_pixels,
         "processor": processor_signature(pre.processor),
     }
@@ -89,7 +92,7 @@ class _IndexRows:
 def _features() -> Any:
     from datasets import Features, Value
 
-    kinds = ("int64", "int32", "int64", "int64", "string", "string")
+    kinds = ("int64", "int32", "int64", "int64", "int32", "int64", "string", "string")
     return Features({c: Value(k) for c, k in zip(META_COLUMNS, kinds, strict=True)})
 
 

@@ -69,11 +69,12 @@ from .loss import IGNORE_INDEX
 from .pack_stats import PADDED_BATCH
 from .planner import StreamingPlanner
 from .sources import SOURCE_COLUMN, make_source
+from .video_sampling import per_source_videos_kwargs
 
 __all__ = ["PackConfig", "PackStats", "PackedDataset", "pack_dataset"]
 logger = logging.getLogger("hf_packing")
 
-_STATE_VERSION = 3
+_STATE_VERSION = 4  # 3: scheduled steps and cost weights; 4: video skip reasons and counters in the PackStats row
 _MAX_SLOTS = 65  # rows of the shared stats table: the main process + up to 64 DataLoader workers
 _PLAN_KEYS = (
     "max_length",
@@ -87,13 +88,14 @@ _PLAN_KEYS = (
     "batch_size",
     "stopping_strategy",
     "balance_window",
+    "videos_kwargs",
 )  # settings a saved state must match (and the cost weights)
 
 
 @dataclasses.dataclass(frozen=True)
 class PackConfig:
-    """The settings of [`pack_dataset`] (see there); `media_root`, `video_root`, `fps` and `row_format` are one value
-    or `{source name: value}`."""
+    """The settings of [`pack_dataset`] (see there); `media_root`, `video_root`, `fps`, `videos_kwargs` and
+    `row_format` are one value or `{source name: value}`."""
 
     max_length: int
     strategy: str
@@ -104,6 +106,7 @@ class PackConfig:
     media_root: Any
     video_root: Any
     fps: Any
+    videos_kwargs: Any
     row_format: Any
     train_on: str
     on_overlong: str
@@ -122,6 +125,7 @@ class PackConfig:
     def preprocessors(self, processor: Any, names: list[str]) -> dict[str | None, Preprocessor]:
         """One [`Preprocessor`] per source (key `None` for a single dataset), with that source's format and roots."""
         per = {k: per_source(getattr(self, k), names, k) for k in ("media_root", "video_root", "fps")}
+        videos_kwargs = per_source_videos_kwargs(self.videos_kwargs, names)
         fmt = per_source(self.row_format, names, "row_format", "auto")
         return {
             n: Preprocessor(
@@ -130,6 +134,7 @@ class PackConfig:
                 media_root=per["media_root"][n],
                 video_root=per["video_root"][n],
                 fps=per["fps"][n],
+                videos_kwargs=videos_kwargs[n],
                 row_format=fmt[n],
                 train_on=self.train_on,
                 on_overlong=self.on_overlong,
@@ -164,9 +169,11 @@ class PackStats:
     samples: Counter = dataclasses.field(default_factory=Counter)  # source -> samples yielded
     tokens: int = 0
     images: int = 0
+    videos: int = 0
+    video_tokens: int = 0  # <|video_pad|> tokens of the yielded samples
     processing_skips: SkipCounter = dataclasses.field(default_factory=SkipCounter)  # reason -> samples
 
-    _YIELDED = ("packs", "samples", "tokens", "images", "processing_skips")
+    _YIELDED = ("packs", "samples", "tokens", "images", "videos", "video_tokens", "processing_skips")
 
     def __post_init__(self) -> None:
         self.sources = tuple(self.sources) or (None,)
@@ -310,7 +317,7 @@ class _Replica:
             self.stats.rows[source] += 1
         try:
             meta = self.preprocessors[source].planned_meta(row, index)
-        except OverlongError:
+        except (OverlongError, ImportError):  # a setting or a missing video decoder: no row's fault, never skipped
             raise
         except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
             if self.cfg.on_error == "raise":
@@ -423,12 +430,15 @@ class _Replica:
                     self.source.fetch(index) if self.source.lazy else row, index, planned_tokens=planned
                 )
             except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
-                if self.cfg.on_error == "raise" or isinstance(err, OverlongError):
+                if self.cfg.on_error == "raise" or isinstance(err, (OverlongError, ImportError)):
                     raise
                 self._skip(err, index, planning=False)
                 continue
             samples.append(sample)
             self.stats.samples[source] += 1
+            if "video_grid_thw" in sample:
+                self.stats.videos += len(sample["video_grid_thw"])
+                self.stats.video_tokens += int((sample["input_ids"] == self.preprocessors[source].video_id).sum())
         if not samples:  # keep ranks in step with a 1-token, unsupervised filler
             if pack:  # every sample failed to decode
                 self.stats.processing_skips["empty_pack"] += 1
@@ -656,7 +666,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
             `dict`: `packs`, `samples`, `tokens` yielded; `fill` (tokens / (packs · max_length));
             `padded_batch_fill` / `padding_ratio_padded_batches` (the same samples in padded batches of 8, in input
             order: what a padded Trainer run would use);
-            `packs_per_s`, `samples_per_s`; `images_per_pack`; `skipped` (reason → count, `overlong` included),
+            `packs_per_s`, `samples_per_s`; `images_per_pack`; `videos` and `video_tokens` (their `<|video_pad|>`
+            tokens) yielded; `skipped` (reason → count, `overlong` included),
             split into `skipped_while_planning` (the same on every rank: count it once) and
             `skipped_while_processing` (this rank's pixel-time failures: sum over ranks);
             `rows_read`, `planned_packs` (all ranks), `leftover_packs` / `leftover_samples` (the last incomplete
@@ -687,6 +698,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
             "packs_per_s": packs / elapsed,
             "samples_per_s": samples / elapsed,
             "images_per_pack": stats.images / packs if packs else 0.0,
+            "videos": stats.videos,
+            "video_tokens": stats.video_tokens,
             "skipped": by_reason(planning + stats.processing_skips),
             "skipped_while_planning": by_reason(planning),
             "skipped_while_processing": by_reason(stats.processing_skips),
@@ -700,7 +713,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         if log:
             logger.info(
                 "pack_dataset rank %s: %d packs, %d samples, fill %.4f (padded batches of %d: %.4f), %.1f "
-                "samples/s, %.2f images/pack, skipped %s, %d packs left over",
+                "samples/s, %.2f images/pack, %d videos (%d tokens), skipped %s, %d packs left over",
                 self.rank,
                 packs,
                 samples,
@@ -709,6 +722,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 padded,
                 out["samples_per_s"],
                 out["images_per_pack"],
+                out["videos"],
+                out["video_tokens"],
                 out["skipped"] or "none",
                 out["leftover_packs"],
             )
@@ -754,6 +769,7 @@ def pack_dataset(
     media_root: str | os.PathLike | Mapping[str, str | os.PathLike] | None = None,
     video_root: str | os.PathLike | Mapping[str, str | os.PathLike] | None = None,
     fps: float | Mapping[str, float] | None = None,
+    videos_kwargs: Mapping[str, Any] | None = None,
     row_format: str | Mapping[str, str] = "auto",
     image_root: str | os.PathLike | None = None,
     train_on: str = "assistant",
@@ -792,7 +808,12 @@ def pack_dataset(
         video_root (`str` or `dict`, *optional*): root of relative video (frame) paths where it is not `media_root`.
         fps (`float` or `dict`, *optional*): sampling rate of pre-sampled video frames, one or `{source: fps}`; a
             row's own `fps` wins. It reaches the processor as `video_metadata` (Qwen2.5-VL `second_per_grid_ts`,
-            Qwen3-VL timestamps); without it the processor assumes 24 fps (wrong for sparse frames).
+            Qwen3-VL timestamps); without it the processor assumes 24 fps (wrong for sparse frames). A video file's
+            rate is read from its header.
+        videos_kwargs (`dict`, *optional*): how video files are sampled and resized, in the video processors' names:
+            `fps` (frames per second of video; default the processor's, else 2.0) or `num_frames`, `min_frames`,
+            `max_frames`, `min_pixels`, `max_pixels` (per video, the processor's `size`), `do_sample_frames`; one
+            dict for all sources or `{source: dict}`. See `hf_packing/video_sampling.py`.
         row_format (`str` or `dict`, defaults to `"auto"`): `"messages"`, `"llava"` or `"auto"` (detected from each
             source's own columns), one or `{source: format}`.
         train_on (`str`, defaults to `"assistant"`): supervise each assistant turn's content and its `<|im_end|>`, or

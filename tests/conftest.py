@@ -55,6 +55,36 @@ def video(frames: int = 4, width: int = 84, height: int = 56, seed: int = 0) -> 
     return np.random.default_rng(seed).integers(0, 255, (frames, height, width, 3), dtype=np.uint8)
 
 
+def write_clip(
+    path: Path,
+    frames: int = 12,
+    width: int = 48,
+    height: int = 32,
+    rate: int = 6,
+    *,
+    codec: str | None = None,
+    levels: bool = False,
+    options: dict[str, str] | None = None,
+) -> Path:
+    """A synthetic clip encoded with PyAV (mp4: mpeg4, webm: VP9, mkv: VP8 unless `codec`); frame k is noise, or with
+    `levels` a solid grey of level 10·k (k < 25), so a decoded frame tells its index."""
+    import av
+
+    fmt = {".mp4": "mp4", ".webm": "webm", ".mkv": "matroska"}[Path(path).suffix]
+    rng = np.random.default_rng(frames)
+    with av.open(str(path), "w", format=fmt, options=options or {}) as out:
+        stream = out.add_stream(codec or {"mp4": "mpeg4", "webm": "libvpx-vp9", "matroska": "libvpx"}[fmt], rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for k in range(frames):
+            if levels:
+                pixels = np.full((height, width, 3), 10 * k, dtype=np.uint8)
+            else:
+                pixels = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        out.mux(stream.encode())
+    return Path(path)
+
+
 def load_processor(model_type: str, padding_side: str = "right"):
     from transformers import AutoProcessor
 

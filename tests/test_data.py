@@ -360,7 +360,7 @@ def test_bad_images_are_refused_while_planning(processors, tmp_path):
 
 def test_bad_rows_are_refused_with_a_reason(processors, tmp_path):
     save(image(30, 30), tmp_path / "a.png")
-    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")  # a video file: not decoded here
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")  # not a video: refused by its header
     pre = Preprocessor(processors["qwen2_vl"], image_root=tmp_path)
     cases = [
         (llava(["a.png"], "<image><image>\nTwo?"), "placeholder_mismatch"),
@@ -385,7 +385,7 @@ def test_bad_rows_are_refused_with_a_reason(processors, tmp_path):
         ({"text": "no conversation at all"}, "bad_row"),
         (
             {"messages": messages(0) + [{"role": "user", "content": [{"type": "video"}]}], "videos": ["clip.mp4"]},
-            "unsupported_video",
+            "corrupt_video",
         ),
         (llava(save(image(1000, 4), tmp_path / "thin.png")), "bad_aspect_ratio"),
     ]

@@ -97,13 +97,15 @@ def test_tags_and_media_must_agree(row, reason):
 
 
 # ------------------------------------------------------------------------------------------------- videos
-def test_video_files_are_skipped_with_their_reason(processor, tmp_path):
-    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not decoded yet")
+def test_bad_video_references_are_skipped_with_their_reason(processor, tmp_path):
+    pytest.importorskip("av")  # the 'video' extra: a file is opened to be refused
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not a video")
     names = frames(tmp_path, 2)
     pre = Preprocessor(processor, media_root=tmp_path)
     cases = [
         ({"video": "missing.mp4", "conversations": turns("<video>\nWhat happens?")}, "missing_file"),
-        ({"video": "clip.mp4", "conversations": turns("<video>\nWhat happens?")}, "unsupported_video"),
+        ({"video": "clip.mp4", "conversations": turns("<video>\nWhat happens?")}, "corrupt_video"),
+        ({"videos": [42], "conversations": turns("<video>\nWhat happens?")}, "unsupported_video"),
         ({"videos": [[names[0], "gone.png"]], "conversations": turns("<video>\nWhat happens?")}, "missing_file"),
         ({"video": "../clip.mp4", "conversations": turns("<video>?")}, "path_outside_root"),
         (
@@ -113,7 +115,7 @@ def test_video_files_are_skipped_with_their_reason(processor, tmp_path):
                     {"role": "assistant", "content": "Rain."},
                 ]
             },
-            "unsupported_video",
+            "corrupt_video",
         ),
     ]
     for row, reason in cases:
@@ -188,6 +190,7 @@ def test_a_bad_fps_is_a_bad_row(processor, tmp_path):
 def test_stats_cli_counts_video_rows_as_skips(tmp_path, capsys):
     from hf_packing.cli import main
 
+    pytest.importorskip("av")
     image(56, 56).save(tmp_path / "a.png")
     (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
     rows = [
@@ -220,4 +223,5 @@ def test_stats_cli_counts_video_rows_as_skips(tmp_path, capsys):
     assert table.startswith("4 rows, max_length=256")
     (line,) = [x for x in table.splitlines() if x.startswith("bfd")]
     assert line.split()[2] == "1"  # the two usable rows fit one pack
-    assert line.endswith("missing_file: 1, unsupported_video: 1")
+    assert line.endswith("missing_file: 1, corrupt_video: 1")
+    assert table.splitlines()[-2].startswith("videos: 0 in usable rows, 0 video tokens")

@@ -262,20 +262,20 @@ def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch):
 
 
 def test_train_py_fails_loudly_when_no_row_is_usable(train, tmp_path, monkeypatch):
-    """Video-file rows (not decoded yet) are all skipped: the run must stop with the reason, not save an untrained
-    model and exit 0."""
+    """Rows whose video files cannot be read are all skipped: the run must stop with the reason, not save an
+    untrained model and exit 0."""
     from hf_packing.testing.tiny import save_tiny_checkpoint
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     model_dir = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
-    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")  # not a video
     row = {
         "video": "clip.mp4",
         "conversations": [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "It rains."}],
     }
     (tmp_path / "videos.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
-    with pytest.raises(ValueError, match="yielded 0 of 2 rows: 2 unsupported_video"):
+    with pytest.raises(ValueError, match="yielded 0 of 2 rows: 2 corrupt_video"):
         train.main(
             [
                 str(RECIPES / "configs/tiny_cpu.yaml"),

@@ -424,7 +424,7 @@ def _messages(question: str, answer: str, images: list[str]) -> dict:
 
 def test_video_rows_are_skipped_never_trained_as_text(data, tmp_path):
     image(56, 56).save(tmp_path / "a.png")
-    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not decoded yet")
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not a video")
     rows = [
         _llava("<image>\nWhat is this?", "A square.", image="a.png"),
         _llava("Hello?", "Hi."),
@@ -433,7 +433,7 @@ def test_video_rows_are_skipped_never_trained_as_text(data, tmp_path):
     ]
     train = make(data, Dataset.from_list(rows), image_root=str(tmp_path))
     assert ids(train) == [[0, 1]]
-    assert train.stats(log=False)["skipped"] == {"missing_file": 1, "unsupported_video": 1}
+    assert train.stats(log=False)["skipped"] == {"missing_file": 1, "corrupt_video": 1}
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -471,7 +471,7 @@ def test_a_stream_that_yields_nothing_is_an_error(data, tmp_path):
         [_llava("<video>\nWhat happens?", "Rain.", video="clip.mp4")] * 3
         + [_llava("<video>\nAnd here?", "Sun.", video="gone.mp4")]
     )
-    with pytest.raises(NoSamplesError, match=r"^the dataset yielded 0 of 4 rows: 3 unsupported_video, 1 missing_file"):
+    with pytest.raises(NoSamplesError, match=r"^the dataset yielded 0 of 4 rows: 3 corrupt_video, 1 missing_file"):
         list(make(data, videos, image_root=str(tmp_path)))
     with pytest.raises(NoSamplesError, match="yielded 0 of 4 rows"):
         make(data, videos, image_root=str(tmp_path)).count_packs()
@@ -483,7 +483,7 @@ def test_a_stream_that_yields_nothing_is_an_error(data, tmp_path):
         media_root={"videos": str(tmp_path)},
         stopping_strategy="all_exhausted",
     )
-    with pytest.raises(NoSamplesError, match=r"source 'videos' yielded 0 of 4 rows: 3 unsupported_video, 1 missing"):
+    with pytest.raises(NoSamplesError, match=r"source 'videos' yielded 0 of 4 rows: 3 corrupt_video, 1 missing"):
         list(DataLoader(mix, batch_size=None, num_workers=1))  # raised in the worker, re-raised here
     with pytest.raises(NoSamplesError, match="1 pack planned, none for any of world_size=2 ranks"):
         list(make(data, texts, rank=1, world_size=2))

@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--media-root", "--image-root", dest="media_root", help="root of relative image/video paths")
     stats.add_argument("--video-root", help="root of relative video frame paths, if not --media-root")
     stats.add_argument("--fps", type=float, help="sampling rate of pre-sampled video frames (a row's 'fps' wins)")
+    stats.add_argument(
+        "--videos-kwargs",
+        help='video file sampling as JSON, e.g. \'{"fps": 1, "max_frames": 32, "max_pixels": 200704}\'',
+    )
     stats.add_argument("--row-format", default="auto", choices=["auto", "messages", "llava"])
     stats.add_argument("--output", type=Path, default=Path("pack_stats.png"), help="histogram PNG")
     return parser

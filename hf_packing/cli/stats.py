@@ -1,12 +1,14 @@
 """``hf-packing stats``: how a dataset would pack, per strategy, from metadata only (no pixel decoding).
 
-Lengths come from `Preprocessor.estimate` (chat template + image headers + the processor's resize rule),
-so a pass costs ~0.1 ms per sample; the planner then packs the numbers for each strategy.
+Lengths come from `Preprocessor.estimate` (chat template + image and video headers + the processor's sampling and
+resize rules), so a pass costs ~0.1 ms per sample (~1 ms per video file); the planner then packs the numbers for
+each strategy. Videos and their `<|video_pad|>` tokens are reported on their own line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections import Counter
@@ -20,10 +22,11 @@ logger = logging.getLogger("hf_packing")
 
 
 def collect_metadata(dataset, preprocessor: Preprocessor, *, show_progress: bool = True):
-    """Per-sample (tokens, images, vision patches) for every usable row, and a `Counter` of skip reasons."""
+    """Per-sample (tokens, images, vision patches) for every usable row, a `Counter` of skip reasons, and the usable
+    rows' `{"videos", "video_tokens"}`."""
     from tqdm.auto import tqdm
 
-    lengths, images, patches = [], [], []
+    lengths, images, patches, videos = [], [], [], Counter()
     skipped = SkipCounter()
     total = len(dataset) if hasattr(dataset, "__len__") else None
     for index, row in enumerate(tqdm(dataset, total=total, desc="metadata", unit="rows", disable=not show_progress)):
@@ -35,7 +38,8 @@ def collect_metadata(dataset, preprocessor: Preprocessor, *, show_progress: bool
         lengths.append(meta.num_tokens)
         images.append(meta.num_images)
         patches.append(meta.vision_patches)
-    return lengths, images, patches, skipped
+        videos.update(videos=meta.num_videos, video_tokens=meta.video_tokens)
+    return lengths, images, patches, skipped, {"videos": videos["videos"], "video_tokens": videos["video_tokens"]}
 
 
 def run_stats(args: argparse.Namespace) -> dict[str, dict]:
@@ -53,9 +57,11 @@ def run_stats(args: argparse.Namespace) -> dict[str, dict]:
         media_root=args.media_root,
         video_root=args.video_root,
         fps=args.fps,
+        videos_kwargs=json.loads(args.videos_kwargs) if args.videos_kwargs else None,
         row_format=source_formats(dataset, args.row_format)[None],
     )
-    lengths, images, patches, skipped = collect_metadata(dataset, preprocessor, show_progress=sys.stderr.isatty())
+    show = sys.stderr.isatty()
+    lengths, images, patches, skipped, videos = collect_metadata(dataset, preprocessor, show_progress=show)
     if not lengths:
         raise SystemExit(f"no usable samples in {args.data}; skipped: {dict(skipped)}")
     results, fills = {}, {}
@@ -75,9 +81,11 @@ def run_stats(args: argparse.Namespace) -> dict[str, dict]:
         dropped = Counter(
             _drop_reason(i, lengths, images, patches, args) for i in range(len(lengths)) if i not in placed
         )
-        results[strategy] = {**stats, "dropped": dict(dropped), "skipped": dict(skipped)}  # reasons, not the count
+        results[strategy] = {**stats, "dropped": dict(dropped), "skipped": dict(skipped), **videos}
         fills[strategy] = [sum(lengths[i] for i in p) / args.max_length for p in packs]
     print(format_table(results, len(lengths) + sum(skipped.values()), args))
+    share = videos["video_tokens"] / sum(lengths)
+    print(f"videos: {videos['videos']} in usable rows, {videos['video_tokens']:,} video tokens ({share:.1%} of tokens)")
     plot_stats(fills, lengths, args.output, args.max_length)
     print(f"histogram: {args.output}")
     return results
