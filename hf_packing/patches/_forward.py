@@ -179,9 +179,10 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
         )
         model_kwargs = {**call, **extra, **{k: v for k, v in rope_extra.items() if v is not None}}
         if spec.moe:
+            # as the original resolves it: the config's default where it is a parameter (5.23), else only when asked
             router = model_kwargs.get("output_router_logits")
-            default = getattr(self.config.text_config, "output_router_logits", False)  # absent before 5.23
-            model_kwargs["output_router_logits"] = default if router is None else router
+            default = "output_router_logits" in signature.parameters and self.config.text_config.output_router_logits
+            model_kwargs["output_router_logits"] = bool(default) if router is None else router
         # evaluation too: FSDP2 / ZeRO-3 all-gather the tower's parameters in every forward, with or without grad
         outputs, dummy = _run_backbone(self, flat, vision, model_kwargs, options.dummy_vision)
         skip_logits = packing["skip_logits"]

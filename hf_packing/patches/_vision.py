@@ -42,7 +42,10 @@ def _items(output: ModelOutput, keep: slice, patches: list[int]) -> ModelOutput:
         ]
     if output.get("last_hidden_state") is not None:  # pre-merge patch features, in item order: (Σ t·h·w, D)
         fields["last_hidden_state"] = _rows(output.last_hidden_state, patches, keep)
-    return type(output)(**fields)
+    part = type(output)()
+    for key, value in fields.items():  # item by item: some towers add keys that are not fields (5.17's router_logits)
+        part[key] = value
+    return part
 
 
 def _rows(tensor: torch.Tensor, sizes: list[int], keep: slice) -> torch.Tensor:
