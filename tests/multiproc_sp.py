@@ -48,6 +48,8 @@ def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     results = [run(config, **spec) for spec in config["runs"]]
+    if config.get("packer"):
+        results.append(packer_groups(config["sp"]))
     if dist.get_rank() == 0:
         Path(config["out"]).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -147,6 +149,34 @@ def run(config: dict, family: str, control: str | None) -> dict:
         "eval_loss_rel": float(worst[0]),
         "logits_rel": float(worst[1]),
         "eval_count_ok": not bool(worst[2]),
+    }
+
+
+def packer_groups(size: int) -> dict:
+    """`pack_dataset` without rank / world / SP arguments, after `apply_rmpad(sequence_parallel_size=P)`: which
+    samples each rank gets. Ranks of one SP group must get the same packs, groups disjoint ones."""
+    from datasets import Dataset
+
+    from hf_packing import pack_dataset, sequence_parallel
+    from tests.conftest import load_processor
+
+    assert sequence_parallel.current_size() == size
+    rows = [
+        {"conversations": [{"from": "human", "value": f"Row {i} " + "this " * (i % 7)}, {"from": "gpt", "value": "ok"}]}
+        for i in range(24)
+    ]
+    packs = pack_dataset(Dataset.from_list(rows), load_processor("qwen2_5_vl"), max_length=64, disable_progress=True)
+    mine = [[int(s["index"]) for s in pack] for pack in packs]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    groups = [everyone[d * size : (d + 1) * size] for d in range(len(everyone) // size)]
+    firsts = [{i for pack in g[0] for i in pack} for g in groups]
+    return {
+        "packer": True,
+        "rank_world": [packs.rank, packs.world_size],
+        "same_in_group": all(all(r == g[0] for r in g) for g in groups),
+        "disjoint_groups": all(not (a & b) for j, a in enumerate(firsts) for b in firsts[j + 1 :]),
+        "packs": [len(m) for m in everyone],
     }
 
 

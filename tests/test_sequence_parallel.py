@@ -136,7 +136,10 @@ def launch(tmp_path: Path, nproc: int, timeout: float, **config) -> list[dict]:
     results = json.loads((tmp_path / "out.json").read_text())
     print(f"{nproc} processes, {time.perf_counter() - t0:.1f} s")
     for r in results:
-        print({k: r[k] for k in ("family", "sp", "world", "mode", "control", "lengths", "loss_rel", "grad_rel")})
+        if "family" in r:
+            print({k: r[k] for k in ("family", "sp", "world", "mode", "control", "lengths", "loss_rel", "grad_rel")})
+        else:
+            print(r)
     return results
 
 
@@ -171,6 +174,10 @@ def test_sp4_equals_sp1_with_replicated_kv_heads(tmp_path):
 def test_fsdp2_dp2_x_sp2_equals_sp1(tmp_path):
     """FSDP2 over all 4 ranks (2 data-parallel groups × 2 SP ranks), each group on its own packs."""
     runs = [{"family": "qwen2_5_vl", "control": None}, {"family": "qwen3_vl", "control": None}]
-    for result in launch(tmp_path, 4, 300, sp=2, mode="fsdp", runs=runs):
+    *results, packer = launch(tmp_path, 4, 300, sp=2, mode="fsdp", runs=runs, packer=True)
+    for result in results:
         assert result["world"] == 4 and len(result["lengths"]) == 4
         check_equal(result, 2)
+    # pack_dataset took its data-parallel rank and size from the SP setting: 2 groups, same packs inside one
+    assert packer["rank_world"] == [0, 2] and packer["same_in_group"] and packer["disjoint_groups"], packer
+    assert min(packer["packs"]) > 0, packer
