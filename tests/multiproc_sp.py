@@ -110,8 +110,13 @@ def run(config: dict, family: str, control: str | None) -> dict:
     mine = packs[2 * group : 2 * group + 2]
     num_items = torch.tensor(sum(counts[2 * group : 2 * group + 2]))
     dist.all_reduce(num_items)  # the Trainer's gather: every rank's count, each pack counted P times
+    from hf_packing.telemetry import PackingTelemetry
+
+    telemetry = PackingTelemetry()
+    sequence_parallel.COMM_TIMER.enable()
     logged = torch.zeros(())
     for batch in mine:
+        telemetry.observe(batch["input_ids"], batch)
         loss = trained(**batch, num_items_in_batch=num_items).loss * world  # Trainer: loss *= num_processes
         loss.backward()
         logged += loss.detach()
@@ -119,6 +124,9 @@ def run(config: dict, family: str, control: str | None) -> dict:
     logged /= world  # the Trainer logs the mean over processes of the summed micro-batch losses
     grads = {name: relative(full_grad(p), q.grad) for (name, p), q in zip(model.named_parameters(), ref.parameters())}
 
+    counted = telemetry.counts()
+    sequence_parallel.COMM_TIMER.enable(False)
+    pad = sum(sequence_parallel.padded_length(n, size) - n for n in lengths)
     trained.eval()
     with torch.no_grad():
         sp_eval = trained(**packs[2 * group])
@@ -149,6 +157,9 @@ def run(config: dict, family: str, control: str | None) -> dict:
         "eval_loss_rel": float(worst[0]),
         "logits_rel": float(worst[1]),
         "eval_count_ok": not bool(worst[2]),
+        "telemetry_tokens_ok": counted["real_tokens"] == sum(lengths),  # every pack once, not once per SP rank
+        "telemetry_sp_padding_ok": counted["sp_padding_tokens"] == pad,
+        "comm_seconds": counted["comm_seconds"],
     }
 
 

@@ -89,6 +89,21 @@ def test_kv_heads_are_replicated_only_when_fewer_than_the_group():
         sp_mod.kv_replication(4, 2, 3)
 
 
+def test_telemetry_counts_the_padding_sp_adds():
+    from hf_packing.telemetry import PackingTelemetry
+
+    sp_mod.set_size(4)
+    try:
+        telemetry = PackingTelemetry(all_reduce=False)
+        mask = torch.tensor([[1] * 6 + [0] * 3, [1] * 4 + [0] * 5])  # one pack of 10 real tokens → 12
+        telemetry.observe(torch.zeros(2, 9, dtype=torch.long), {"attention_mask": mask})
+        telemetry.observe(torch.zeros(1, 8, dtype=torch.long), {})  # flat, 8 tokens: no padding
+        counts = telemetry.counts()
+        assert counts["real_tokens"] == 18 and counts["sp_padding_tokens"] == 2
+    finally:
+        sp_mod.set_size(1)
+
+
 def test_without_a_process_group_sp_raises_a_named_error():
     import hf_packing
     from hf_packing.testing.tiny import build_tiny_model
@@ -147,6 +162,7 @@ def check_equal(result: dict, size: int) -> None:
     assert result["loss_rel"] <= LOSS_TOL and result["grad_rel"] <= GRAD_TOL, result
     assert result["eval_loss_rel"] <= LOSS_TOL and result["logits_rel"] <= GRAD_TOL and result["eval_count_ok"], result
     assert any(n % size for n in result["lengths"]), result["lengths"]  # a pack that needed padding
+    assert result["telemetry_tokens_ok"] and result["telemetry_sp_padding_ok"] and result["comm_seconds"] > 0, result
 
 
 def test_sp2_equals_sp1_and_negative_controls_fail(tmp_path):
