@@ -366,6 +366,122 @@ def gather_sequence(x: torch.Tensor, sp: SPGroup, total: int) -> torch.Tensor:
     return torch.cat(parts, dim=0)[:total]
 
 
+# ----------------------------------------------------------------------------------------------- vision tower
+
+
+def split_vision_units(grid_thw: list[list[int]], size: int) -> list[list[int]]:
+    """Assign a pack's vision units to ``size`` ranks, balanced by patches (largest first, to the least loaded).
+
+    A unit is one temporal slice ``(1, h, w)`` of an image or video ``(t, h, w)``: the towers attend within each
+    temporal slice (their ``cu_seqlens`` repeat ``h·w`` ``t`` times), so a video's slices encode alone exactly as
+    together. Units are numbered in item order, slices in time order; each rank's list is sorted.
+
+    ``[[1, 4, 4], [2, 2, 2]]`` (16 + 2 × 4 patches), ``size=2`` → ``[[0], [1, 2]]``.
+    """
+    patches = [h * w for t, h, w in grid_thw for _ in range(t)]
+    load, ranks = [0] * size, [[] for _ in range(size)]
+    for unit in sorted(range(len(patches)), key=lambda u: (-patches[u], u)):
+        rank = min(range(size), key=lambda r: (load[r], r))
+        ranks[rank].append(unit)
+        load[rank] += patches[unit]
+    return [sorted(r) for r in ranks]
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather of ``(n_r, C)`` rows of different counts, in rank order; backward: the sum of every rank's
+    gradient for this rank's rows (each rank used the gathered rows of its own token slice only)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, counts: list[int], group: Any, rank: int) -> torch.Tensor:
+        ctx.counts, ctx.group, ctx.rank = counts, group, rank
+        width = max(counts)
+        padded = local.new_zeros(width, local.shape[1])
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in counts]
+        started = COMM_TIMER.start(local.device)
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        COMM_TIMER.stop(started)
+        return torch.cat([p[:n] for p, n in zip(parts, counts)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        grad = grad.contiguous()
+        started = COMM_TIMER.start(grad.device)
+        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter; Σ n_r·C elements, once per step
+        COMM_TIMER.stop(started)
+        start = sum(ctx.counts[: ctx.rank])
+        return grad[start : start + ctx.counts[ctx.rank]], None, None, None
+
+
+def encode_vision_split(
+    encode: Callable[[torch.Tensor, torch.Tensor], Any],
+    pixel_values: torch.Tensor,
+    grid_thw: torch.Tensor,
+    sp: SPGroup,
+    merge: int,
+    dummy: Callable[[], Any],
+) -> tuple[Any, torch.Tensor | None]:
+    """The tower's output for every item of the pack, each rank encoding only its units (`split_vision_units`).
+
+    Args:
+        encode: ``(pixels (n, C_in), grid (k, 3)) -> output`` with ``pooler_output`` a tuple per item and, for
+            Qwen3-VL, ``deepstack_features`` (per layer, a tuple per item): the model's ``get_image_features``.
+        pixel_values (`(Σ t·h·w, C_in)`), grid_thw (`(items, 3)`): the pack's images or videos.
+        merge: the spatial merge size (features per unit = ``h·w / merge²``).
+        dummy: runs the tower on a dummy image and returns its output, for a rank that got no unit (every rank
+            calls the tower once: FSDP / ZeRO-3 gather its parameters collectively).
+
+    Returns:
+        The output with ``pooler_output`` / ``deepstack_features`` for all items in item order, gathered over the
+        SP group with autograd (``last_hidden_state``, the pre-merge patches, is ``None``), and the dummy term
+        (``0 · Σ dummy features``) to add to the loss, or ``None``.
+    """
+    grids = grid_thw.tolist()
+    units = [(i, f, h, w) for i, (t, h, w) in enumerate(grids) for f in range(t)]
+    starts = torch.tensor([0] + [t * h * w for t, h, w in grids]).cumsum(0).tolist()
+    mine = split_vision_units(grids, sp.size)
+    per_rank = [sum(units[u][2] * units[u][3] // merge**2 for u in r) for r in mine]
+    dummy_term = None
+    if mine[sp.rank]:
+        rows = [
+            pixel_values[starts[i] + f * h * w : starts[i] + (f + 1) * h * w]
+            for i, f, h, w in (units[u] for u in mine[sp.rank])
+        ]
+        local_grid = grid_thw.new_tensor([[1, units[u][2], units[u][3]] for u in mine[sp.rank]])
+        out = encode(torch.cat(rows), local_grid)
+        parts = [torch.cat(out.pooler_output)] + [torch.cat(layer) for layer in out.get("deepstack_features") or []]
+    else:
+        out = dummy()
+        dummy_term = sum(t.float().sum() for t in _tensors(out.to_tuple())) * 0.0
+        parts = [out.pooler_output[0][:0]] + [layer[0][:0] for layer in out.get("deepstack_features") or []]
+    width = parts[0].shape[1]
+    gathered = _GatherRows.apply(torch.cat(parts, dim=1), per_rank, sp.group, sp.rank)
+    # rows arrive rank by rank; put each unit's rows back in unit order, then split by item and by output
+    offsets, at = {}, 0
+    for r in mine:
+        for u in r:
+            offsets[u], at = at, at + units[u][2] * units[u][3] // merge**2
+    order = torch.cat(
+        [torch.arange(offsets[u], offsets[u] + units[u][2] * units[u][3] // merge**2) for u in range(len(units))]
+    )
+    whole = gathered.index_select(0, order.to(gathered.device)).split(width, dim=1)
+    sizes = [t * h * w // merge**2 for t, h, w in grids]
+    fields = dict(out.items())
+    fields["pooler_output"] = whole[0].split(sizes)
+    if len(whole) > 1:
+        fields["deepstack_features"] = [layer.split(sizes) for layer in whole[1:]]
+    fields["last_hidden_state"] = None
+    return type(out)(**fields), dummy_term
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+
+
 # ----------------------------------------------------------------------------------------------- loss
 
 

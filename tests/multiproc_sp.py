@@ -113,6 +113,8 @@ def run(config: dict, family: str, control: str | None) -> dict:
     from hf_packing.telemetry import PackingTelemetry
 
     telemetry = PackingTelemetry()
+    tower_rows: list[int] = []  # pixel rows (patches) this rank's tower encodes per call
+    counting = model.model.visual.register_forward_pre_hook(lambda m, args: tower_rows.append(args[0].shape[0]))
     sequence_parallel.COMM_TIMER.enable()
     logged = torch.zeros(())
     for batch in mine:
@@ -125,6 +127,11 @@ def run(config: dict, family: str, control: str | None) -> dict:
     grads = {name: relative(full_grad(p), q.grad) for (name, p), q in zip(model.named_parameters(), ref.parameters())}
 
     counted = telemetry.counts()
+    counting.remove()
+    patches = [int(sum(b[k].shape[0] for k in ("pixel_values", "pixel_values_videos") if k in b)) for b in mine]
+    share = torch.tensor([sum(tower_rows), max(patches), len(tower_rows)], dtype=torch.float64)
+    everyone = [torch.zeros_like(share) for _ in range(world)]
+    dist.all_gather(everyone, share)
     sequence_parallel.COMM_TIMER.enable(False)
     pad = sum(sequence_parallel.padded_length(n, size) - n for n in lengths)
     trained.eval()
@@ -160,6 +167,11 @@ def run(config: dict, family: str, control: str | None) -> dict:
         "telemetry_tokens_ok": counted["real_tokens"] == sum(lengths),  # every pack once, not once per SP rank
         "telemetry_sp_padding_ok": counted["sp_padding_tokens"] == pad,
         "comm_seconds": counted["comm_seconds"],
+        "tower_patches_per_rank": [int(e[0]) for e in everyone],  # dummy images included (4 patches each)
+        "tower_calls_per_rank": [int(e[2]) for e in everyone],
+        "pack_patches": [
+            sum(int(b[k].shape[0]) for k in ("pixel_values", "pixel_values_videos") if k in b) for b in packs
+        ],
     }
 
 

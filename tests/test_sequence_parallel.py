@@ -152,7 +152,8 @@ def launch(tmp_path: Path, nproc: int, timeout: float, **config) -> list[dict]:
     print(f"{nproc} processes, {time.perf_counter() - t0:.1f} s")
     for r in results:
         if "family" in r:
-            print({k: r[k] for k in ("family", "sp", "world", "mode", "control", "lengths", "loss_rel", "grad_rel")})
+            keys = ("family", "sp", "world", "mode", "control", "lengths", "loss_rel", "grad_rel", "eval_loss_rel")
+            print({k: r[k] for k in keys + ("logits_rel", "pack_patches", "tower_patches_per_rank", "comm_seconds")})
         else:
             print(r)
     return results
@@ -162,6 +163,10 @@ def check_equal(result: dict, size: int) -> None:
     assert result["loss_rel"] <= LOSS_TOL and result["grad_rel"] <= GRAD_TOL, result
     assert result["eval_loss_rel"] <= LOSS_TOL and result["logits_rel"] <= GRAD_TOL and result["eval_count_ok"], result
     assert any(n % size for n in result["lengths"]), result["lengths"]  # a pack that needed padding
+    # the tower's work is split: every rank encodes fewer patches than its group's packs hold (+ dummy images)
+    for rank, encoded in enumerate(result["tower_patches_per_rank"]):
+        d = rank // size
+        assert encoded < sum(result["pack_patches"][2 * d : 2 * d + 2]), result
     assert result["telemetry_tokens_ok"] and result["telemetry_sp_padding_ok"] and result["comm_seconds"] > 0, result
 
 

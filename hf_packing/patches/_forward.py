@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,16 +85,50 @@ def _resolve_use_cache(model, use_cache: bool | None) -> bool:
     return bool(use_cache) and not (model.training and checkpointing)
 
 
-def _dummy_vision_loss(model) -> torch.Tensor:
-    """Run the vision tower on one tiny image so every rank issues the same collectives; weight 0."""
+def _dummy_image_output(model) -> ModelOutput:
+    """The vision tower's output for one tiny all-zero image (``merge × merge`` patches, one frame)."""
     vcfg = model.config.vision_config
     merge = vcfg.spatial_merge_size
     patch_dim = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
     device = model.lm_head.weight.device
     pixels = torch.zeros(merge * merge, patch_dim, device=device, dtype=model.model.visual.dtype)
     grid = torch.tensor([[1, merge, merge]], device=device)
-    out = model.model.get_image_features(pixels, grid, return_dict=True)
-    return sum(t.float().sum() for t in _iter_tensors(out.to_tuple())) * 0.0
+    return type(model.model).get_image_features(model.model, pixels, grid, return_dict=True)
+
+
+def _dummy_vision_loss(model) -> torch.Tensor:
+    """Run the vision tower on one tiny image so every rank issues the same collectives; weight 0."""
+    return sum(t.float().sum() for t in _iter_tensors(_dummy_image_output(model).to_tuple())) * 0.0
+
+
+@contextmanager
+def _split_tower(model, sp: SPGroup | None, media: bool, dummy: list[torch.Tensor]) -> Iterator[None]:
+    """Under SP, the pack's image and video features come from `encode_vision_split`: each SP rank encodes its
+    share of the units and the features are all-gathered (a rank with no unit encodes a dummy image, whose 0-weight
+    term goes to ``dummy``)."""
+    if sp is None or not media:
+        yield
+        return
+    inner = model.model
+    merge = model.config.vision_config.spatial_merge_size
+
+    def features(pixels: torch.Tensor, grid_thw: torch.Tensor | None = None, **kwargs: Any) -> ModelOutput:
+        def encode(p: torch.Tensor, g: torch.Tensor) -> ModelOutput:
+            return type(inner).get_image_features(inner, p, g, **{**kwargs, "return_dict": True})
+
+        out, term = sequence_parallel_.encode_vision_split(
+            encode, pixels, grid_thw, sp, merge, lambda: _dummy_image_output(model)
+        )
+        if term is not None:
+            dummy.append(term)
+        return out
+
+    # instance attributes shadow the class's methods for this call only
+    inner.get_image_features = inner.get_video_features = features
+    try:
+        yield
+    finally:
+        del inner.get_image_features, inner.get_video_features
 
 
 def _iter_tensors(obj):
@@ -137,24 +172,25 @@ def _run_backbone(
         shard = sequence_parallel_.text_model_pre_hook(sp, flat.seqs, PACKED_KWARG)
         hooks.append(model.model.language_model.register_forward_pre_hook(shard, with_kwargs=True))
     try:
-        outputs = model.model(
-            input_ids=flat.input_ids,
-            attention_mask=None,
-            position_ids=flat.position_ids,
-            pixel_values=pixel_values,
-            pixel_values_videos=pixel_values_videos,
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw,
-            mm_token_type_ids=flat.mm_token_type_ids,
-            use_cache=False,
-            return_dict=True,
-            **model_kwargs,
-            **{PACKED_KWARG: flat.seqs},
-        )
+        with _split_tower(model, sp, pixel_values is not None or pixel_values_videos is not None, dummy):
+            outputs = model.model(
+                input_ids=flat.input_ids,
+                attention_mask=None,
+                position_ids=flat.position_ids,
+                pixel_values=pixel_values,
+                pixel_values_videos=pixel_values_videos,
+                image_grid_thw=image_grid_thw,
+                video_grid_thw=video_grid_thw,
+                mm_token_type_ids=flat.mm_token_type_ids,
+                use_cache=False,
+                return_dict=True,
+                **model_kwargs,
+                **{PACKED_KWARG: flat.seqs},
+            )
     finally:
         for hook in hooks:
             hook.remove()
-    return outputs, (dummy[0] if dummy else None)
+    return outputs, (sum(dummy) if dummy else None)
 
 
 def _loss_and_logits(
