@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +16,34 @@ from PIL import Image
 from hf_packing.testing.tiny import MODEL_TYPES  # noqa: F401  (the families every test parametrises over)
 
 FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess | None:
+    """``torchrun --standalone --nproc_per_node nproc script *args`` (gloo on CPU, offline, one thread a rank).
+
+    Returns the finished process, or None when it ran past ``timeout``: then every rank is killed (the run has its
+    own process group), so a hang fails the test instead of hanging CI.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(script)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{Path(__file__).parent}",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    proc = subprocess.Popen(
+        cmd + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    return subprocess.CompletedProcess(cmd + list(args), proc.returncode, stdout, stderr)
 
 
 def image(width: int, height: int, seed: int = 0) -> Image.Image:

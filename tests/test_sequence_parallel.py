@@ -10,22 +10,18 @@ sharding, boundaries dropped) must fail the same comparison.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun
 
 from hf_packing import sequence_parallel as sp_mod
 from hf_packing.sequence_parallel import SPGroup
 from hf_packing.varlen import PackedSequences
 
 HELPER = Path(__file__).parent / "multiproc_sp.py"
-ROOT = Path(__file__).parents[1]
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
@@ -125,29 +121,15 @@ def test_without_a_process_group_sp_raises_a_named_error():
 
 
 def launch(tmp_path: Path, nproc: int, timeout: float, **config) -> list[dict]:
-    """torchrun --nproc_per_node ``nproc`` tests/multiproc_sp.py; rank 0's results, one per run."""
+    """tests/multiproc_sp.py on ``nproc`` gloo processes (conftest's `torchrun`); rank 0's results, one per run."""
     config = {"out": str(tmp_path / "out.json"), **config}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{Path(__file__).parent}"
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [*cmd, str(HELPER), str(tmp_path / "config.json")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    proc = torchrun(HELPER, str(tmp_path / "config.json"), nproc=nproc, timeout=timeout)
+    if proc is None:
         pytest.fail(f"torchrun hung past {timeout} s")
-    start = stderr.find("Traceback")
-    assert proc.returncode == 0, stdout[-2000:] + stderr[max(start, 0) :][:6000]
+    start = proc.stderr.find("Traceback")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[max(start, 0) :][:6000]
     results = json.loads((tmp_path / "out.json").read_text())
     print(f"{nproc} processes, {time.perf_counter() - t0:.1f} s")
     for r in results:
@@ -167,6 +149,7 @@ def check_equal(result: dict, size: int) -> None:
     for rank, encoded in enumerate(result["tower_patches_per_rank"]):
         d = rank // size
         assert encoded < sum(result["pack_patches"][2 * d : 2 * d + 2]), result
+    assert result["tower_calls_per_rank"] == [2] * result["world"], result  # one call per micro-batch on every rank
     assert result["telemetry_tokens_ok"] and result["telemetry_sp_padding_ok"] and result["comm_seconds"] > 0, result
 
 

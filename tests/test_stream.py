@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import image, load_processor
+from conftest import image, load_processor, torchrun
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
@@ -343,19 +341,8 @@ def test_two_processes_with_uneven_shards(tmp_path):
     """torchrun --nproc_per_node 2 (gloo): equal pack counts, disjoint samples, totals add up; an all_reduce per
     pack would hang (and time out) if the ranks disagreed."""
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(Path(__file__).parent / "multiproc_stream.py"),
-        str(tmp_path),
-        str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = torchrun(Path(__file__).parent / "multiproc_stream.py", str(tmp_path), str(out))
+    assert proc is not None, "the two ranks hung"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     a, b = (r["packs"] for r in results)

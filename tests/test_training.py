@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import image
+from conftest import image, torchrun
 
 HELPER = Path(__file__).parent / "multiproc_train.py"
 ROOT = Path(__file__).parents[1]
@@ -85,36 +82,11 @@ def launch(
         **config,
     }
     (work / "config.json").write_text(json.dumps(config))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(helper),
-        str(work / "config.json"),
-    ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{Path(__file__).parent}",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )  # its own process group: a hang is killed with every rank
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return None, [], time.perf_counter() - t0
+    proc = torchrun(helper, str(work / "config.json"), timeout=timeout)
     seconds = time.perf_counter() - t0
-    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    if proc is None:
+        return None, [], seconds
     results = [json.loads(p.read_text()) for p in sorted((work / "out").glob("rank*.json"))]
     return proc, results, seconds
 

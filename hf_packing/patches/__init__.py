@@ -114,8 +114,9 @@ def apply_rmpad(
     Args:
         model_type (`str` or list, *optional*): one or more of `supported_model_types()`; all by default.
         attn_backend (`str`): ``"auto"`` (flash_attn → torch_varlen → reference, by device and dtype), or force one.
-        dummy_vision (`bool`): on a micro-batch without pixels, run the vision tower on a tiny dummy image with zero
-            loss weight, so FSDP / ZeRO-3 ranks issue the same collectives (a text-only rank would hang).
+        dummy_vision (`bool`): on a micro-batch without pixels (training or evaluation), run the vision tower on a
+            tiny dummy image with zero loss weight, so FSDP / ZeRO-3 ranks issue the same collectives (a text-only
+            rank would hang). Images and videos always share one tower call.
         loss_chunk_size (`int`, *optional*): rows per chunk of the linear + cross-entropy.
         use_liger (`bool`, *optional*): force Liger-Kernel's fused linear cross-entropy on or off.
         linear_backend (`str`): Qwen3.5's linear-attention layers: ``"auto"`` (fla → reference, by device and

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from ..sequence_parallel import SPGroup
 from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS
 from ._flatten import FlatBatch, flatten_batch
 from ._spec import FamilySpec
+from ._vision import tower_calls
 
 #: transformers' flash-style boundary kwargs (DataCollatorWithFlattening, VisionCollator mode='flat').
 HF_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -85,102 +85,34 @@ def _resolve_use_cache(model, use_cache: bool | None) -> bool:
     return bool(use_cache) and not (model.training and checkpointing)
 
 
-def _dummy_image_output(model) -> ModelOutput:
-    """The vision tower's output for one tiny all-zero image (``merge × merge`` patches, one frame)."""
-    vcfg = model.config.vision_config
-    merge = vcfg.spatial_merge_size
-    patch_dim = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
-    device = model.lm_head.weight.device
-    pixels = torch.zeros(merge * merge, patch_dim, device=device, dtype=model.model.visual.dtype)
-    grid = torch.tensor([[1, merge, merge]], device=device)
-    return type(model.model).get_image_features(model.model, pixels, grid, return_dict=True)
-
-
-def _dummy_vision_loss(model) -> torch.Tensor:
-    """Run the vision tower on one tiny image so every rank issues the same collectives; weight 0."""
-    return sum(t.float().sum() for t in _iter_tensors(_dummy_image_output(model).to_tuple())) * 0.0
-
-
-@contextmanager
-def _split_tower(model, sp: SPGroup | None, media: bool, dummy: list[torch.Tensor]) -> Iterator[None]:
-    """Under SP, the pack's image and video features come from `encode_vision_split`: each SP rank encodes its
-    share of the units and the features are all-gathered (a rank with no unit encodes a dummy image, whose 0-weight
-    term goes to ``dummy``)."""
-    if sp is None or not media:
-        yield
-        return
-    inner = model.model
-    merge = model.config.vision_config.spatial_merge_size
-
-    def features(pixels: torch.Tensor, grid_thw: torch.Tensor | None = None, **kwargs: Any) -> ModelOutput:
-        def encode(p: torch.Tensor, g: torch.Tensor) -> ModelOutput:
-            return type(inner).get_image_features(inner, p, g, **{**kwargs, "return_dict": True})
-
-        out, term = sequence_parallel_.encode_vision_split(
-            encode, pixels, grid_thw, sp, merge, lambda: _dummy_image_output(model)
-        )
-        if term is not None:
-            dummy.append(term)
-        return out
-
-    # instance attributes shadow the class's methods for this call only
-    inner.get_image_features = inner.get_video_features = features
-    try:
-        yield
-    finally:
-        del inner.get_image_features, inner.get_video_features
-
-
-def _iter_tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _iter_tensors(item)
-
-
 def _run_backbone(
     model,
     flat: FlatBatch,
-    pixel_values,
-    pixel_values_videos,
-    image_grid_thw,
-    video_grid_thw,
+    vision: dict[str, torch.Tensor | None],
     model_kwargs: dict[str, Any],
     dummy_vision: bool,
     sp: SPGroup | None = None,
 ):
-    """``model.model`` on the flat row; with ``dummy_vision`` a text-only batch still runs the vision tower.
+    """``model.model`` on the flat row, calling the vision tower once on every rank (see `_vision.tower_calls`).
 
-    Under sequence parallelism (``sp``) a pre-hook on the text model keeps this rank's slice of the whole pack
-    (embedded, vision features placed, M-RoPE positions computed) and the hidden states that come back are that slice.
+    Under sequence parallelism (``sp``) the tower's units are split over the SP group (`_vision.tower_calls`) and a
+    pre-hook on the text model keeps this rank's slice of the whole pack (embedded, vision features placed, M-RoPE
+    positions computed): the hidden states that come back are that slice.
 
-    The dummy image runs exactly where real pixels would: right after the token embedding, before the decoder
-    layers. FSDP / ZeRO-3 gather parameters (and reduce gradients) module by module in execution order, so a
-    text-only rank must reach the tower at the same point as a rank with images, or the collectives mismatch.
+    Returns the backbone outputs and the dummy term (``None`` unless ``dummy_vision`` ran the tower on a batch
+    without pixels, or an SP rank got no vision unit).
     """
-    dummy: list[torch.Tensor] = []
-
-    def dummy_after_embedding(*_) -> None:
-        if not dummy:
-            dummy.append(_dummy_vision_loss(model))
-
-    hooks = []
-    if dummy_vision and pixel_values is None and pixel_values_videos is None:
-        hooks.append(model.model.get_input_embeddings().register_forward_hook(dummy_after_embedding))
+    hook = None
     if sp is not None:
         shard = sequence_parallel_.text_model_pre_hook(sp, flat.seqs, PACKED_KWARG)
-        hooks.append(model.model.language_model.register_forward_pre_hook(shard, with_kwargs=True))
+        hook = model.model.language_model.register_forward_pre_hook(shard, with_kwargs=True)
     try:
-        with _split_tower(model, sp, pixel_values is not None or pixel_values_videos is not None, dummy):
+        with tower_calls(model, **vision, dummy=dummy_vision, model_kwargs=model_kwargs, sp=sp) as dummy:
             outputs = model.model(
                 input_ids=flat.input_ids,
                 attention_mask=None,
                 position_ids=flat.position_ids,
-                pixel_values=pixel_values,
-                pixel_values_videos=pixel_values_videos,
-                image_grid_thw=image_grid_thw,
-                video_grid_thw=video_grid_thw,
+                **vision,
                 mm_token_type_ids=flat.mm_token_type_ids,
                 use_cache=False,
                 return_dict=True,
@@ -188,7 +120,7 @@ def _run_backbone(
                 **{PACKED_KWARG: flat.seqs},
             )
     finally:
-        for hook in hooks:
+        if hook is not None:
             hook.remove()
     return outputs, (sum(dummy) if dummy else None)
 
@@ -293,17 +225,8 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
                 f"sequence_parallel_size={sp.size} is not supported for {spec.model_type} (its Gated DeltaNet "
                 "linear-attention layers carry a recurrent state along the sequence); use sequence_parallel_size=1"
             )
-        outputs, dummy = _run_backbone(
-            self,
-            flat,
-            vision["pixel_values"],
-            vision["pixel_values_videos"],
-            vision["image_grid_thw"],
-            vision["video_grid_thw"],
-            model_kwargs,
-            options.dummy_vision and self.training and supervised,
-            sp,
-        )
+        # evaluation too: FSDP2 / ZeRO-3 all-gather the tower's parameters in every forward, with or without grad
+        outputs, dummy = _run_backbone(self, flat, vision, model_kwargs, options.dummy_vision, sp)
         skip_logits = packing["skip_logits"]
         want_logits = not skip_logits if skip_logits is not None else not (supervised and self.training)
         ce, flat_logits = _loss_and_logits(

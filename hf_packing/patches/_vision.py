@@ -1,0 +1,161 @@
+"""Exactly one vision-tower call per patched forward, on every rank.
+
+transformers' ``XModel.forward`` calls the tower once for a pack's images and once more for its videos, and not
+at all for text. Under FSDP / ZeRO-3 each call all-gathers the tower's parameters (and its backward
+reduce-scatters their gradients), so a rank whose pack holds images and a video issues collectives that a rank
+with images only never matches: a hang on NCCL, a size mismatch on gloo. Here every rank calls it once::
+
+    pack holds        transformers' XModel.forward           with tower_calls(...)
+    images + videos   visual(images); visual(videos)         visual(images ‖ videos), split back
+    images only       visual(images)                         visual(images)
+    videos only       visual(videos)                         visual(videos)
+    nothing           (no call)                              visual(dummy 1-frame image) × 0   [dummy_vision]
+
+The tower encodes each image / video on its own (per-item rotary positions, windows and ``cu_seqlens``), so one
+call over ``images ‖ videos`` gives the same features as two calls. The call stays where transformers makes it
+(inside ``XModel.forward``, after the token embedding), because FSDP orders its collectives by execution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from transformers.utils.generic import ModelOutput
+
+from ..sequence_parallel import SPGroup, encode_vision_split
+
+#: keyword prefixes transformers routes to one modality's encoder only; with one of them the calls stay apart.
+_MODALITY_PREFIXES = ("image_", "video_")
+
+
+def _items(output: ModelOutput, keep: slice, patches: list[int]) -> ModelOutput:
+    """The part of a tower output that belongs to items ``keep`` (``pooler_output`` is a tuple per item)."""
+    fields = dict(output.items())
+    fields["pooler_output"] = tuple(output.pooler_output[keep])
+    if output.get("deepstack_features") is not None:  # Qwen3-VL: per layer, a tuple per item
+        fields["deepstack_features"] = [tuple(layer[keep]) for layer in output.deepstack_features]
+    hidden = output.get("last_hidden_state")
+    if hidden is not None:  # pre-merge patch features, in item order: (Σ t·h·w, D)
+        start = sum(patches[: keep.start or 0])
+        fields["last_hidden_state"] = hidden[start : start + sum(patches[keep])]
+    return type(output)(**fields)
+
+
+def _dummy_output(model, **kwargs: Any) -> ModelOutput:
+    """The tower's output for one 1-frame, ``merge × merge``-patch zero image."""
+    vcfg = model.config.vision_config
+    merge = vcfg.spatial_merge_size
+    patch_dim = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
+    device = model.lm_head.weight.device
+    pixels = torch.zeros(merge * merge, patch_dim, device=device, dtype=model.model.visual.dtype)
+    grid = torch.tensor([[1, merge, merge]], device=device)
+    return type(model.model).get_image_features(model.model, pixels, grid, **{**kwargs, "return_dict": True})
+
+
+def _dummy_features(model) -> torch.Tensor:
+    """The tower on one 1-frame, ``merge × merge``-patch zero image; returns 0 · Σ outputs (keeps the graph)."""
+    return sum(t.float().sum() for t in _iter_tensors(_dummy_output(model).to_tuple())) * 0.0
+
+
+def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _iter_tensors(item)
+
+
+@contextmanager
+def tower_calls(
+    model,
+    pixel_values: torch.Tensor | None,
+    pixel_values_videos: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
+    *,
+    dummy: bool,
+    model_kwargs: Mapping[str, Any] = MappingProxyType({}),
+    sp: SPGroup | None = None,
+) -> Iterator[list[torch.Tensor]]:
+    """Make ``model.model(...)`` inside the block call the vision tower exactly once (see the module docstring).
+
+    Yields a list that holds the dummy term (``0 · Σ features``, a 0-d fp32 tensor) once the dummy call ran; the
+    caller adds it to the loss so the tower's parameters are in the graph of every rank.
+
+    Under sequence parallelism (``sp``) that one call encodes only this rank's share of the pack's temporal units
+    (images and video frame groups, balanced by patches) and the features are all-gathered over the SP group
+    (`~hf_packing.sequence_parallel.encode_vision_split`); an SP rank that gets no unit encodes the dummy image.
+    """
+    inner = model.model
+    dummy_terms: list[torch.Tensor] = []
+    if pixel_values is None and pixel_values_videos is None:
+        hook = None
+        if dummy:  # right after the embedding: where a rank with pixels reaches the tower
+
+            def after_embedding(*_) -> None:
+                if not dummy_terms:
+                    dummy_terms.append(_dummy_features(model))
+
+            hook = inner.get_input_embeddings().register_forward_hook(after_embedding)
+        try:
+            yield dummy_terms
+        finally:
+            if hook is not None:
+                hook.remove()
+        return
+    separate = any(k.startswith(_MODALITY_PREFIXES) for k in model_kwargs)  # per-modality inputs: keep apart
+    if separate and sp is not None:
+        raise ValueError(
+            "sequence parallelism encodes images and videos in one split tower call; per-modality vision keywords "
+            f"({[k for k in model_kwargs if k.startswith(_MODALITY_PREFIXES)]}) cannot be split: drop them or set "
+            "sequence_parallel_size=1"
+        )
+    if (pixel_values is None or pixel_values_videos is None or separate) and sp is None:  # one call already
+        yield dummy_terms
+        return
+
+    encoded: dict[str, ModelOutput] = {}
+    media = [
+        (p, g) for p, g in ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw)) if p is not None
+    ]
+
+    def encode(**kwargs: Any) -> None:
+        if encoded:
+            return
+        grids = torch.cat([g for _, g in media])
+        pixels = torch.cat([p.to(media[0][0].dtype) for p, _ in media])
+        if sp is None:
+            out = type(inner).get_image_features(inner, pixels, grids, **kwargs)
+        else:
+            out, term = encode_vision_split(
+                lambda p, g: type(inner).get_image_features(inner, p, g, **{**kwargs, "return_dict": True}),
+                pixels,
+                grids,
+                sp,
+                model.config.vision_config.spatial_merge_size,
+                lambda: _dummy_output(model, **kwargs),
+            )
+            if term is not None:
+                dummy_terms.append(term)
+        patches = grids.prod(-1).tolist()
+        n_images = len(image_grid_thw) if pixel_values is not None else 0
+        encoded["image"] = _items(out, slice(0, n_images), patches)
+        encoded["video"] = _items(out, slice(n_images, None), patches)
+
+    def features(kind: str):
+        def get_features(pixels: torch.Tensor, grid_thw: torch.Tensor | None = None, **kwargs: Any) -> ModelOutput:
+            encode(**kwargs)
+            return encoded[kind]
+
+        return get_features
+
+    # instance attributes shadow the class's methods for this call only; FSDP2's swapped class is unaffected
+    inner.get_image_features, inner.get_video_features = features("image"), features("video")
+    try:
+        yield dummy_terms
+    finally:
+        del inner.get_image_features, inner.get_video_features
