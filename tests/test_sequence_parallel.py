@@ -185,3 +185,34 @@ def test_fsdp2_dp2_x_sp2_equals_sp1(tmp_path):
     # pack_dataset took its data-parallel rank and size from the SP setting: 2 groups, same packs inside one
     assert packer["rank_world"] == [0, 2] and packer["same_in_group"] and packer["disjoint_groups"], packer
     assert min(packer["packs"]) > 0, packer
+
+
+@pytest.mark.slow
+def test_trainer_recipe_with_sp2_equals_sp1(tmp_path):
+    """recipes/train.py (Trainer, prepare_trainer, telemetry, token-level eval) on 2 processes with SP=2 against 1
+    process: the same packs, the same 3 optimizer steps and evaluations."""
+    import sys
+
+    from test_recipes import _write_data
+
+    from hf_packing.testing.tiny import save_tiny_checkpoint
+
+    model = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
+    data = _write_data(tmp_path / "data").parent
+    helper = Path(__file__).parent / "multiproc_sp_trainer.py"
+    hist = {}
+    for nproc, sp in ((1, "1"), (2, "2")):
+        out = tmp_path / f"sp{sp}"
+        proc = torchrun(helper, str(out), str(model), str(data), sp, nproc=nproc, timeout=300)
+        assert proc is not None and proc.returncode == 0, proc and proc.stderr[-6000:]
+        hist[sp] = json.loads((out / "hist.json").read_text())
+    train = {sp: [h for h in hist[sp] if "loss" in h] for sp in hist}
+    evals = {sp: [h["eval_loss"] for h in hist[sp] if "eval_loss" in h] for sp in hist}
+    print({sp: [h["loss"] for h in train[sp]] for sp in train}, evals, file=sys.stderr)
+    assert len(train["2"]) == 3 and len(evals["2"]) == 3
+    for a, b in zip(train["1"], train["2"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+    assert evals["1"] == pytest.approx(evals["2"], rel=1e-5)
+    last = train["2"][-1]
+    assert last["packing/tokens_per_s_per_sp_group"] == pytest.approx(last["packing/tokens_per_s"])
+    assert 0 < last["packing/sp_all_to_all_share"] < 1 and "packing/sp_padding_tokens" in last
