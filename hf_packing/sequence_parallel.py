@@ -28,6 +28,19 @@ are never counted twice. Data-parallel training sums (DDP, FSDP: averages, times
 factor) over every rank, so an SP group acts like one data-parallel rank holding the pack. The loss scaling that
 makes this equal to SP = 1 is in `sp_loss`.
 
+Vision tower. Its one call per forward (`hf_packing.patches._vision.tower_calls`) encodes only this rank's share of
+the pack's temporal units (an image, or one frame group of a video: the towers attend within each), balanced by
+patches, and the merged features (and DeepStack features) are all-gathered, so the tower's cost is divided too.
+On the test packs (180 patches in 2 packs) the largest rank encodes 100 patches at P = 2 and 60 at P = 4 (ideal 90
+and 45: units are indivisible); a rank without a unit encodes a 4-patch dummy image (FSDP needs the call). The
+all-gather moves ``n_vision_tokens · H · (1 + deepstack layers)`` elements per step, its backward an all-reduce of
+the same size (gloo has no reduce-scatter).
+
+Not covered: Qwen3.5's linear-attention layers (refused: their state runs along the sequence), head counts not
+divisible by ``P`` (refused), and the MoE load-balancing loss, which each rank computes on its own tokens (its
+weights still sum to 1 over ranks, but its value is not the SP = 1 one). ``logits`` / ``hidden_states`` outputs are
+gathered without gradient; the loss is computed on the shards.
+
 Process groups come from a ``(dp, sp)`` `DeviceMesh` (`init_sequence_parallel`); SP ranks are consecutive global
 ranks (within a node first). accelerate 1.15's ``ParallelismConfig(sp_size=...)`` cannot carry this: its only
 ``sp_backend`` is ``"deepspeed"`` (DeepSpeed's own Ulysses, text-only), for which it skips building a mesh and the

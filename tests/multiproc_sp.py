@@ -3,7 +3,8 @@
     python -m torch.distributed.run --standalone --nproc_per_node W tests/multiproc_sp.py CONFIG.json
 
 CONFIG.json: ``sp`` (P), ``mode`` (``"ddp"``: torch DDP; ``"fsdp"``: FSDP2 ``fully_shard`` over all W ranks, per
-decoder layer and vision block, then the root), ``runs``: a list of ``{"family", "control"}``, ``control`` being
+decoder layer and vision block, then the root), ``runs``: a list of ``{"family", "control", "checkpointing"}``
+(optional: non-reentrant gradient checkpointing), ``control`` being
 ``null`` or a negative control (``"positions"``: positions computed after sharding, 0..T/P-1 on every rank;
 ``"boundaries"``: the pack's sequence boundaries dropped), ``out``.
 
@@ -55,7 +56,7 @@ def main(config_path: str) -> None:
     dist.destroy_process_group()
 
 
-def run(config: dict, family: str, control: str | None) -> dict:
+def run(config: dict, family: str, control: str | None, checkpointing: bool = False) -> dict:
     """One comparison (see the module docstring); returns rank 0's numbers, with the worst over ranks."""
     rank, world, size = dist.get_rank(), dist.get_world_size(), config["sp"]
     group = rank // size
@@ -97,6 +98,8 @@ def run(config: dict, family: str, control: str | None) -> dict:
         sequence_parallel.padded_sequences = lambda seqs, p: type(seqs).from_seqlens(
             [sequence_parallel.padded_length(int(seqs.cu_seqlens[-1]), p)]
         )
+    if checkpointing:  # non-reentrant: backward recomputes each layer, its all-to-alls included
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config["mode"] == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -154,6 +157,7 @@ def run(config: dict, family: str, control: str | None) -> dict:
         "world": world,
         "mode": config["mode"],
         "control": control,
+        "checkpointing": checkpointing,
         "lengths": lengths,
         "loss": float(logged),
         "ref_loss": ref_loss,

@@ -169,8 +169,9 @@ def test_sp2_equals_sp1_and_negative_controls_fail(tmp_path):
 
 
 def test_sp4_equals_sp1_with_replicated_kv_heads(tmp_path):
-    """4 query heads, 2 KV heads: P = 4 replicates each KV head twice."""
-    runs = [{"family": "qwen2_5_vl", "control": None}, {"family": "qwen3_vl", "control": None}]
+    """4 query heads, 2 KV heads: P = 4 replicates each KV head twice. Qwen3-VL with gradient checkpointing (the
+    backward recomputes the all-to-alls)."""
+    runs = [{"family": "qwen2_5_vl", "control": None}, {"family": "qwen3_vl", "control": None, "checkpointing": True}]
     for result in launch(tmp_path, 4, 300, sp=4, mode="ddp", runs=runs):
         check_equal(result, 4)
 
