@@ -43,6 +43,9 @@ Recomputation by activation checkpointing is not counted (model FLOPs, not hardw
 matmul, reported as a practical ceiling.
 
 Run on one GPU: ``python benchmarks/bench_gpu.py`` (a few minutes); quick: ``--layers 4 --vision-layers 4``.
+Sequence parallelism: ``torchrun --nproc_per_node 4 benchmarks/bench_gpu.py --sp 4 --lengths 32768 65536`` compares
+rmpad at SP = 1 (each GPU alone on the pack; OOM is reported, not fatal) with SP = 4 on the same packs (tokens/s
+per pack and per GPU, peak memory per GPU, the all-to-all share of the step); written to its own section.
 ``--smoke`` runs a tiny model on CPU (rmpad with the reference backend) to check the script without a GPU;
 it never writes RESULTS.md.
 """
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -286,24 +290,37 @@ def matmul_ceiling(device, n: int = 8192, iters: int = 20) -> float:
     return 2 * n**3 / seconds / 1e12
 
 
-def available_arms(device_type: str) -> list[tuple[str, str, str, str | None]]:
-    """(arm name, batch kind, attn_implementation, rmpad backend)."""
+def available_arms(device_type: str, sp: int = 1) -> list[tuple[str, str, str, str | None, int]]:
+    """(arm name, batch kind, attn_implementation, rmpad backend, sequence-parallel size).
+
+    With ``sp > 1`` (under torchrun): the fastest rmpad backend at SP = 1 (each rank alone on the pack) and the
+    same at SP = ``sp`` (the pack split over ``sp`` ranks)."""
+    if sp > 1:
+        from hf_packing import _compat
+
+        backend = "reference"
+        if device_type == "cuda":
+            backend = "flash_attn" if _compat.flash_attn_varlen_module() is not None else "torch_varlen"
+        return [
+            (f"rmpad+{backend}", "rmpad", "sdpa", backend, 1),
+            (f"rmpad+{backend}+sp{sp}", "rmpad", "sdpa", backend, sp),
+        ]
     flash = importlib.util.find_spec("flash_attn") is not None
-    arms = [("padded+sdpa", "padded", "sdpa", None)]
+    arms = [("padded+sdpa", "padded", "sdpa", None, 1)]
     arms.append(
-        ("flat+fa2", "flat", "flash_attention_2", None)
+        ("flat+fa2", "flat", "flash_attention_2", None, 1)
         if flash and device_type == "cuda"
-        else ("flat+sdpa", "flat", "sdpa", None)
+        else ("flat+sdpa", "flat", "sdpa", None, 1)
     )
     if device_type == "cuda":
         from hf_packing import _compat
 
         if _compat.torch_varlen_attn() is not None:
-            arms.append(("rmpad+torch_varlen", "rmpad", "sdpa", "torch_varlen"))
+            arms.append(("rmpad+torch_varlen", "rmpad", "sdpa", "torch_varlen", 1))
         if _compat.flash_attn_varlen_module() is not None:
-            arms.append(("rmpad+flash_attn", "rmpad", "sdpa", "flash_attn"))
+            arms.append(("rmpad+flash_attn", "rmpad", "sdpa", "flash_attn", 1))
     else:
-        arms.append(("rmpad+reference", "rmpad", "sdpa", "reference"))
+        arms.append(("rmpad+reference", "rmpad", "sdpa", "reference", 1))
     return arms
 
 
@@ -313,19 +330,21 @@ def run_setting(
     import torch
 
     from hf_packing.patches import apply_rmpad, revert_rmpad
+    from hf_packing.sequence_parallel import COMM_TIMER
 
     cuda = device.type == "cuda"
     model.model.visual.requires_grad_(vision_trainable)
-    results = {name: {"times": [], "peak": [], "loss": None, "error": None} for name, *_ in arms}
+    results = {name: {"times": [], "peak": [], "comm": [], "loss": None, "error": None} for name, *_ in arms}
     for i in range(warmup + steps):
-        for name, kind, impl, backend in arms:
+        for name, kind, impl, backend, sp in arms:
             res = results[name]
             if res["error"]:
                 continue
             batch = batches[kind][i]
             model.set_attn_implementation(impl)
             if backend:
-                apply_rmpad("qwen2_5_vl", attn_backend=backend)
+                apply_rmpad("qwen2_5_vl", attn_backend=backend, sequence_parallel_size=sp)
+            COMM_TIMER.enable(sp > 1)
             try:
                 if cuda:
                     torch.cuda.synchronize()
@@ -351,6 +370,7 @@ def run_setting(
                 res["loss"] = float(loss.detach().float())
             if i >= warmup:
                 res["times"].append(dt)
+                res["comm"].append(COMM_TIMER.take() / dt)
                 if cuda:
                     res["peak"].append(torch.cuda.max_memory_allocated())
             del loss
@@ -368,6 +388,10 @@ def run_setting(
         res = results[name]
         if not res["times"]:
             continue
+        if torch.distributed.is_initialized():  # SP: a step lasts as long as its slowest rank
+            times = torch.tensor(res["times"], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
+            res["times"] = times.tolist()
         real = [int(b["attention_mask"].sum()) for b in measured]
         samples = [int(b["attention_mask"].shape[0]) for b in measured]
         flops = [model_flops(config, params, b, vision_trainable=vision_trainable) for b in measured]
@@ -376,6 +400,12 @@ def run_setting(
         res["samples_s"] = C.median(s / t for s, t in zip(samples, res["times"]))
         res["tflops"] = C.median(f / t for f, t in zip(flops, res["times"])) / 1e12
         res["peak_gib"] = max(res["peak"]) / 2**30 if res["peak"] else float("nan")
+        res["comm_share"] = C.median(res["comm"])
+        if torch.distributed.is_initialized():  # SP: the largest rank's memory
+            worst = torch.tensor([res["peak_gib"]], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+            res["peak_gib"] = float(worst[0])
+    COMM_TIMER.enable(False)
     return results
 
 
@@ -393,6 +423,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s for MFU")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; checks the script, writes nothing")
     parser.add_argument("--no-write", action="store_true", help="print instead of writing RESULTS.md")
+    parser.add_argument(
+        "--sp",
+        type=int,
+        default=1,
+        help="sequence-parallel arm: launch with torchrun --nproc_per_node N (a multiple of --sp); compares rmpad "
+        "at SP=1 (each GPU alone) with SP=N on the same packs; writes the bench_gpu_sp section",
+    )
     parser.add_argument(
         "--write-placeholder",
         action="store_true",
@@ -415,7 +452,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if not torch.cuda.is_available():
             sys.exit("bench_gpu.py needs a CUDA device (or --smoke to check the script on CPU)")
-        device, dtype = torch.device("cuda"), torch.bfloat16
+        device, dtype = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), torch.bfloat16
+        torch.cuda.set_device(device)
+    rank = 0
+    if args.sp > 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) % args.sp:
+            sys.exit(f"--sp {args.sp}: launch with torchrun --nproc_per_node a multiple of {args.sp}")
+        torch.distributed.init_process_group("gloo" if device.type == "cpu" else "nccl")
+        rank = torch.distributed.get_rank()
     t_start = time.time()
     config = model_config(layers=args.layers, vision_layers=args.vision_layers, smoke=args.smoke)
     model = build_model(config, device, dtype)
@@ -423,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = count_params(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
-    arms = available_arms(device.type)
+    arms = available_arms(device.type, args.sp)
     ceiling = matmul_ceiling(device) if device.type == "cuda" else float("nan")
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke)"
     visions = ["frozen", "trainable"] if args.vision == "both" else [args.vision]
@@ -450,19 +494,23 @@ def main(argv: list[str] | None = None) -> None:
                 vision_trainable=vision == "trainable",
                 device=device,
             )
-            ref = res["padded+sdpa"]["loss"]
-            for name, *_ in arms:
+            ref = res[arms[0][0]]["loss"]
+            for name, *_, sp in arms:
                 r = res[name]
                 if r["error"] or "median_s" not in r:
                     rows.append([str(length), vision, name, r["error"] or "no measurement", "", "", "", "", "", ""])
                     continue
+                r["tflops"] /= sp  # per GPU: an SP group of `sp` GPUs trains one pack
                 mfu = r["tflops"] / args.peak_tflops
                 rel = abs(r["loss"] - ref) / abs(ref) if ref else float("nan")
+                label = name
+                if sp > 1:
+                    label += f" (per GPU {r['tok_s'] / sp:,.0f} tokens/s; all-to-all {r['comm_share']:.0%} of the step)"
                 rows.append(
                     [
                         str(length),
                         vision,
-                        name,
+                        label,
                         f"{r['median_s'] * 1e3:,.0f}",
                         f"{r['tok_s']:,.0f}",
                         f"{r['samples_s']:.1f}",
@@ -519,12 +567,27 @@ def main(argv: list[str] | None = None) -> None:
 
 {table}
 """
-    if args.no_write:
+    if args.sp > 1:  # its own section: the single-GPU arms' results stay
+        body = body.replace("rel. diff vs padded", "rel. diff vs SP=1")
+        body = body.replace(
+            "## GPU training step (`bench_gpu.py`)", f"## GPU training step, SP={args.sp} (`bench_gpu.py --sp`)"
+        )
+        body += (
+            f"\nSP arm: {torch.distributed.get_world_size()} processes; the SP=1 arm runs each GPU alone on the pack, "
+            f"the SP={args.sp} arm splits it over {args.sp} GPUs (tokens/s per pack; per GPU = / {args.sp}; MFU per "
+            "GPU; step time of the slowest rank; peak memory of the largest rank; all-to-all share from CUDA "
+            "events around the SP collectives).\n"
+        )
+    if rank != 0:
+        pass
+    elif args.no_write:
         print(body)
     else:
-        C.write_section("bench_gpu", body)
+        C.write_section("bench_gpu_sp" if args.sp > 1 else "bench_gpu", body)
         print(body)
         print(f"wrote {C.RESULTS}")
+    if args.sp > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

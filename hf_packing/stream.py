@@ -465,6 +465,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         weights: Mapping[str, float] | Sequence[float] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        sequence_parallel_size: int | None = None,
     ) -> None:
         super().__init__()
         if cfg.on_error not in ("skip", "raise"):
@@ -477,6 +478,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         # the formats once per source, from its own columns
         cfg = dataclasses.replace(cfg, row_format=source_formats(ds, cfg.row_format), model_config=cost)
         self.cfg, self.processor, self.rank, self.world_size = cfg, processor, rank, world_size
+        self.sequence_parallel_size = sequence_parallel_size
         self.weights = dict(weights) if isinstance(weights, Mapping) else list(weights) if weights is not None else None
         names = [str(n) for n in ds] if isinstance(ds, Mapping) else []
         pres = cfg.preprocessors(processor, names)  # validates the settings here rather than in a worker
@@ -523,10 +525,12 @@ class PackedDataset(torch.utils.data.IterableDataset):
 
     def _rank_world(self) -> tuple[int, int]:
         if self.rank is None or self.world_size is None:
-            dist = torch.distributed
-            on = dist.is_available() and dist.is_initialized()
-            self.rank = self.rank if self.rank is not None else dist.get_rank() if on else 0
-            self.world_size = self.world_size if self.world_size is not None else dist.get_world_size() if on else 1
+            # data-parallel rank and size: the ranks of one sequence-parallel group share every pack
+            from .sequence_parallel import data_parallel_rank_world
+
+            rank, world = data_parallel_rank_world(self.sequence_parallel_size)
+            self.rank = self.rank if self.rank is not None else rank
+            self.world_size = self.world_size if self.world_size is not None else world
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
         return self.rank, self.world_size
@@ -787,6 +791,7 @@ def pack_dataset(
     balance_window: int = 16,
     length_index: bool | str | os.PathLike = "auto",
     index_num_proc: int | None = None,
+    sequence_parallel_size: int | None = None,
 ) -> PackedDataset:
     """Streams packs of processed multimodal samples: rank-equal, the same for any `num_workers`, resumable.
 
@@ -822,8 +827,9 @@ def pack_dataset(
             `"truncate_text"`: keep the first `max_length` tokens if every vision span ends inside them, else drop
             (reason `"overlong_vision"`); an image is never cut.
         on_error (`str`, defaults to `"skip"`): skip bad rows and count them by reason, or `"raise"`.
-        rank, world_size (`int`, *optional*): default to torch.distributed if initialized, else 0 and 1. With a
-            process group every rank must call `pack_dataset` (the length index build waits at a barrier).
+        rank, world_size (`int`, *optional*): the data-parallel rank and size; default to torch.distributed's
+            rank and world size divided by `sequence_parallel_size` if initialized, else 0 and 1. With a process
+            group every rank must call `pack_dataset` (the length index build waits at a barrier).
         prefetch (`int`, defaults to 4): packs the producer thread may run ahead of the consumer.
         batch_size (`int`, defaults to 1): the DataLoader's batch size in packs; workers take packs in blocks of it so
             batches do not depend on `num_workers`.
@@ -849,6 +855,8 @@ def pack_dataset(
             estimates every row. Streaming sources always estimate as they read.
         index_num_proc (`int`, *optional*): processes building the index (default: 1 below 20,000 rows, else the
             usable cores, at most 32).
+        sequence_parallel_size (`int`, *optional*): ranks that split one pack (`apply_rmpad`'s
+            `sequence_parallel_size`, its default): consecutive ranks `[d·P, (d+1)·P)` get the same packs.
 
     Returns:
         [`PackedDataset`]: a `torch.utils.data.IterableDataset` of packs with `state_dict()`, `load_state_dict()`,
@@ -870,4 +878,12 @@ def pack_dataset(
         raise ValueError("image_root is the former name of media_root: pass one of them")
     settings["media_root"] = image_root if media_root is None else media_root
     cfg = PackConfig(**{field.name: settings[field.name] for field in dataclasses.fields(PackConfig)})
-    return PackedDataset(ds, processor, cfg, weights=weights, rank=rank, world_size=world_size)
+    return PackedDataset(
+        ds,
+        processor,
+        cfg,
+        weights=weights,
+        rank=rank,
+        world_size=world_size,
+        sequence_parallel_size=sequence_parallel_size,
+    )

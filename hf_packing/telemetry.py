@@ -34,6 +34,16 @@ FLOPs per optimizer step (forward + backward, the usual 6·N·T, attention count
 MFU = FLOPs / (seconds × peak × world_size); peak from ``peak_tflops`` or the CUDA device name (H100 /
 H200 SXM bf16 dense 989 TFLOP/s, A100 312), otherwise MFU is omitted.
 
+Under sequence parallelism (``apply_rmpad(sequence_parallel_size=P)``) the ``P`` ranks of a group see the same
+pack, so every count is divided by ``P`` after the sum over ranks (tokens are counted once) and these keys join:
+
+    tokens_per_s_per_gpu        tokens_per_s / world_size (also without SP)
+    tokens_per_s_per_sp_group   tokens_per_s / (world_size / P): the rate at which one group trains its packs
+    sp_padding_tokens           tokens added to pad each pack to a multiple of P (the only padding SP adds)
+    sp_all_to_all_share         time in SP collectives (all-to-all, forward and backward) / training wall time,
+                                averaged over ranks; on CUDA from events around each collective (no sync in
+                                the step), on CPU wall time
+
 The Trainer calls user callbacks after its reporting callbacks, so a plain ``callbacks=[...]`` would add
 the keys after WandB / TensorBoard have logged. Use `add_telemetry`, which puts the callback first.
 """
@@ -47,6 +57,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from . import sequence_parallel
+
 PREFIX = "packing/"
 #: (substring of torch.cuda.get_device_name(), dense bf16 TFLOP/s); first match wins.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -58,8 +70,8 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("A100", 312.0),
     ("A800", 312.0),
 )
-_DEVICE_KEYS = ("real", "sq", "patches")  # accumulated as on-device int64
-_HOST_KEYS = ("real_host", "sq_host", "slots", "images", "videos", "forwards")
+_DEVICE_KEYS = ("real", "sq", "patches", "sp_pad")  # accumulated as on-device int64
+_HOST_KEYS = ("real_host", "sq_host", "slots", "images", "videos", "forwards", "sp_pad_host", "comm_s")
 
 
 def default_peak_tflops() -> float | None:
@@ -175,10 +187,15 @@ class PackingTelemetry(TrainerCallback):
         host["slots"] += shape.numel()
         mask = kwargs.get("attention_mask")
         mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        size = sequence_parallel.current_size()
         if mask is not None:
-            self._add(0, mask.sum())
+            real = mask.sum()
+            self._add(0, real)
+            if size > 1:
+                self._add(3, (-real) % size)
         else:
             host["real_host"] += shape.numel()
+            host["sp_pad_host"] += -shape.numel() % size
         cu = kwargs.get("cu_seqlens", kwargs.get("cu_seq_lens_q"))
         if isinstance(cu, torch.Tensor):
             self._add(1, (cu[1:] - cu[:-1]).long().pow(2).sum())
@@ -214,15 +231,19 @@ class PackingTelemetry(TrainerCallback):
         extra = [float(dropped is not None), dropped or 0.0]
         if reduce and torch.distributed.get_rank() != 0:
             extra = [0.0, 0.0]
+        self._host["comm_s"] += sequence_parallel.COMM_TIMER.take()
         vec = torch.cat([acc, torch.tensor([self._host[k] for k in _HOST_KEYS] + extra, dtype=dtype, device=dev)])
         if reduce:
             torch.distributed.all_reduce(vec)
+            vec[:-3] /= sequence_parallel.current_size()  # SP ranks count their group's pack each: count it once
         v = dict(zip(_DEVICE_KEYS + _HOST_KEYS + ("has_stats", "dropped"), vec.tolist()))
         return {
             "real_tokens": v["real"] + v["real_host"],
             "sum_sq_lens": v["sq"] + v["sq_host"],
             "vision_patches": v["patches"],
-            **{k: v[k] for k in _HOST_KEYS[2:] + ("has_stats", "dropped")},
+            "sp_padding_tokens": v["sp_pad"] + v["sp_pad_host"],
+            **{k: v[k] for k in _HOST_KEYS[2:6] + ("has_stats", "dropped")},
+            "comm_seconds": v["comm_s"],  # Σ over ranks
         }
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -248,10 +269,12 @@ class PackingTelemetry(TrainerCallback):
         self._world = max(1, args.world_size if self.all_reduce else 1)
         if model is not None:
             self.attach(model)
+        sequence_parallel.COMM_TIMER.enable(sequence_parallel.current_size() > 1)
         self._start_window(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.detach()
+        sequence_parallel.COMM_TIMER.enable(False)
 
     def on_step_end(self, args, state, control, **kwargs):
         self._mark = time.perf_counter()
@@ -270,10 +293,16 @@ class PackingTelemetry(TrainerCallback):
         seconds = max(now - self._window_start - self._excluded, 1e-9)
         steps = max(state.global_step - self._last_step, 1)
         c = self.counts(getattr(self, "_device", None))
+        world, size = getattr(self, "_world", 1), sequence_parallel.current_size()
         new = {
             "tokens_per_s": c["real_tokens"] / seconds,
+            "tokens_per_s_per_gpu": c["real_tokens"] / seconds / world,
             "padding_ratio": 1.0 - c["real_tokens"] / c["slots"] if c["slots"] else 0.0,
         }
+        if size > 1:
+            new["tokens_per_s_per_sp_group"] = c["real_tokens"] / seconds / max(world // size, 1)
+            new["sp_padding_tokens"] = c["sp_padding_tokens"]
+            new["sp_all_to_all_share"] = c["comm_seconds"] / world / seconds
         if self.max_length and c["forwards"]:
             new["pack_fill"] = c["real_tokens"] / (c["forwards"] * self._packs_per_batch * self.max_length)
         for key in ("images", "videos", "vision_patches"):

@@ -43,6 +43,10 @@ class ModelArguments:
         metadata={"help": "run the vision tower on text-only micro-batches (needed for FSDP / ZeRO-3 / DDP)"},
     )
     loss_chunk_size: int | None = field(default=None, metadata={"help": "rows per linear+CE chunk"})
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={"help": "split each pack over this many consecutive GPUs (Ulysses); data parallel = world / it"},
+    )
     use_liger: bool | None = field(default=None, metadata={"help": "force Liger fused linear CE on/off"})
     freeze_vision_tower: bool = field(default=False, metadata={"help": "requires_grad=False on model.model.visual"})
     use_lora: bool = field(default=False, metadata={"help": "train LoRA adapters (PEFT) instead of all weights"})
@@ -260,6 +264,7 @@ def load_model(model_args: ModelArguments):
             dummy_vision=model_args.dummy_vision,
             loss_chunk_size=model_args.loss_chunk_size,
             use_liger=model_args.use_liger,
+            sequence_parallel_size=model_args.sequence_parallel_size,
         )
     dtype = model_args.dtype if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
     model = AutoModelForImageTextToText.from_pretrained(
@@ -329,8 +334,8 @@ def main(argv: list[str] | None = None) -> Trainer:
         buffer_size=packing.buffer_size,
         seed=training_args.seed,
         on_overlong=packing.on_overlong,
-        rank=training_args.process_index,
-        world_size=training_args.world_size,
+        rank=training_args.process_index // model_args.sequence_parallel_size,  # SP ranks share their packs
+        world_size=training_args.world_size // model_args.sequence_parallel_size,
     )
     packs = pack(
         one_or_mix(sources),

@@ -26,6 +26,7 @@ EXPECTED_TYPES = {
     "deepspeed_zero2": "DEEPSPEED",
     "deepspeed_zero3": "DEEPSPEED",
     "multi_node": "FSDP",
+    "sp": "FSDP",
 }
 
 
@@ -39,7 +40,13 @@ def train():
 
 
 def test_every_file_is_there():
-    assert {p.stem for p in TRAIN_CONFIGS} == {"qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_8b", "tiny_cpu"}
+    assert {p.stem for p in TRAIN_CONFIGS} == {
+        "qwen2_5_vl_3b",
+        "qwen2_5_vl_7b",
+        "qwen2_5_vl_7b_long_video",
+        "qwen3_vl_8b",
+        "tiny_cpu",
+    }
     assert {p.stem for p in ACCELERATE_CONFIGS} == set(EXPECTED_TYPES)
     assert (RECIPES / "README.md").exists()
 
@@ -55,7 +62,9 @@ def test_training_configs_parse_into_the_dataclasses(train, path):
     if path.stem != "tiny_cpu":
         assert args.bf16 and args.gradient_checkpointing and model_args.dummy_vision  # both names set it on 5.23
         assert args.lr_scheduler_type == "cosine" and args.learning_rate in (1e-5, 2e-5) and args.warmup_steps > 0
-        assert packing.max_length in (8192, 16384) and packing.max_vision_patches
+        assert packing.max_length in (8192, 16384, 65536) and packing.max_vision_patches
+        sp = model_args.sequence_parallel_size
+        assert sp == (4 if path.stem.endswith("long_video") else 1) and packing.max_length // sp <= 16384
 
 
 def test_cli_flags_override_the_yaml_and_unknown_keys_fail(train, tmp_path):

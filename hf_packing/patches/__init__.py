@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .. import _compat
+from .. import sequence_parallel as _sequence_parallel
 from ..linear_attention import LINEAR_BACKENDS
 from ..varlen import BACKENDS
 from ._attention import WRAPPED_IMPLEMENTATIONS, make_dispatcher, make_vision_flash_check
@@ -106,6 +107,7 @@ def apply_rmpad(
     loss_chunk_size: int | None = None,
     use_liger: bool | None = None,
     linear_backend: str = "auto",
+    sequence_parallel_size: int = 1,
 ) -> None:
     """Make Qwen-VL training padding-free. Call before (or after) loading the model; it patches classes.
 
@@ -119,6 +121,10 @@ def apply_rmpad(
         use_liger (`bool`, *optional*): force Liger-Kernel's fused linear cross-entropy on or off.
         linear_backend (`str`): Qwen3.5's linear-attention layers: ``"auto"`` (fla → reference, by device and
             dtype), ``"fla"`` (flash-linear-attention) or ``"reference"`` (exact, per sequence).
+        sequence_parallel_size (`int`): split each pack along the sequence over this many consecutive ranks
+            (Ulysses; see `hf_packing.sequence_parallel`). The world size must be a multiple of it; ranks of one
+            group must get the same pack (`pack_dataset` does it), and the number of attention heads must be
+            divisible by it. Not for Qwen3.5's linear-attention families.
 
     The options are bound into the patched functions: applying again with the same options changes nothing,
     with other options it re-patches every applied family with them. Raises at apply time, never at import, for
@@ -127,7 +133,12 @@ def apply_rmpad(
     _compat.check_transformers_version()
     names = _normalise(model_type)
     _check_backend(attn_backend, linear_backend)
-    options = RmpadOptions(attn_backend, dummy_vision, loss_chunk_size, use_liger, linear_backend)
+    if not isinstance(sequence_parallel_size, int) or sequence_parallel_size < 1:
+        raise ValueError(f"sequence_parallel_size must be an int >= 1, got {sequence_parallel_size!r}")
+    options = RmpadOptions(
+        attn_backend, dummy_vision, loss_chunk_size, use_liger, linear_backend, sequence_parallel_size
+    )
+    _sequence_parallel.set_size(sequence_parallel_size)
     applied = [n for n in _PATCHES.active() if n in FAMILIES]
     families = applied + [n for n in names if n not in applied]
     if families != applied or _PATCHES.options(_REGISTRY_GROUP) != options:
@@ -138,6 +149,8 @@ def revert_rmpad(model_type: str | Iterable[str] | None = None) -> None:
     """Undo `apply_rmpad` for the given families (all by default); the original functions come back (``is``)."""
     names = _normalise(model_type)
     remaining = [n for n in _PATCHES.active() if n in FAMILIES and n not in names]
+    if not remaining:
+        _sequence_parallel.set_size(1)
     _rebuild(remaining, _PATCHES.options(_REGISTRY_GROUP))
 
 

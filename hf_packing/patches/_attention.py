@@ -5,7 +5,9 @@ attention module. The patch registers wrappers (``AttentionInterface.register``)
 flash_attention_* entries: a call from a patched text-attention class that carries the packed boundaries
 (``hf_packing_seqs``) runs causal varlen attention; a call from a patched vision-attention class with
 ``cu_seq_lens_q`` runs non-causal varlen attention; every other call goes to the original function
-untouched. So other models, generation and unpatched forwards behave exactly as before, and nothing
+untouched. A text call that also carries an `~hf_packing.sequence_parallel.SPGroup` (``hf_packing_sp``) holds
+one slice of the pack: the same kernel runs between two Ulysses all-to-alls (`ulysses_attention`). So other
+models, generation and unpatched forwards behave exactly as before, and nothing
 depends on a config switch that gradient checkpointing's recomputation could miss.
 """
 
@@ -16,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..sequence_parallel import SP_KWARG, ulysses_attention
 from ..varlen import PackedSequences, varlen_attention
 
 #: kwarg that carries the text stream's `PackedSequences` from the patched forward down to attention.
@@ -57,7 +60,7 @@ def make_dispatcher(
     vision_boundaries = _VisionBoundaries()
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        seqs = kwargs.pop(PACKED_KWARG, None)
+        seqs, sp = kwargs.pop(PACKED_KWARG, None), kwargs.pop(SP_KWARG, None)
         # isinstance, not type(): FSDP2's fully_shard swaps a wrapped module's class for a generated subclass.
         if kwargs.get("cu_seq_lens_q") is not None and isinstance(module, vision_classes):
             seqs, causal = vision_boundaries(kwargs["cu_seq_lens_q"], kwargs.get("max_length_q")), False
@@ -67,17 +70,15 @@ def make_dispatcher(
             return original(module, query, key, value, attention_mask, **kwargs)
         scale = kwargs.get("scaling")
         scale = query.shape[-1] ** -0.5 if scale is None else scale
-        out = varlen_attention(
-            _to_flat(query),
-            _to_flat(key),
-            _to_flat(value),
-            seqs,
-            causal=causal,
-            scale=scale,
-            backend=backend,
-            window=kwargs.get("sliding_window"),
-            dropout=kwargs.get("dropout", 0.0) or 0.0,
-        )
+        window, dropout = kwargs.get("sliding_window"), kwargs.get("dropout", 0.0) or 0.0
+
+        def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return varlen_attention(
+                q, k, v, seqs, causal=causal, scale=scale, backend=backend, window=window, dropout=dropout
+            )
+
+        q, k, v = _to_flat(query), _to_flat(key), _to_flat(value)
+        out = kernel(q, k, v) if sp is None or not causal else ulysses_attention(q, k, v, sp, kernel)
         return out.unsqueeze(0), None
 
     attention.__wrapped__ = original

@@ -25,7 +25,9 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
+from .. import sequence_parallel as sequence_parallel_
 from ..loss import CrossEntropySum, cross_entropy_sum, linear_cross_entropy_sum, reduce_loss, shift_labels_per_sequence
+from ..sequence_parallel import SPGroup
 from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS
 from ._flatten import FlatBatch, flatten_batch
 from ._spec import FamilySpec
@@ -50,6 +52,7 @@ class RmpadOptions:
     loss_chunk_size: int | None = None
     use_liger: bool | None = None
     linear_backend: str = "auto"
+    sequence_parallel_size: int = 1
 
 
 def _output_class(original: Callable, spec: FamilySpec) -> type:
@@ -88,39 +91,73 @@ def _run_backbone(
     vision: dict[str, torch.Tensor | None],
     model_kwargs: dict[str, Any],
     dummy_vision: bool,
+    sp: SPGroup | None = None,
 ):
     """``model.model`` on the flat row, calling the vision tower once on every rank (see `_vision.tower_calls`).
 
+    Under sequence parallelism (``sp``) the tower's units are split over the SP group (`_vision.tower_calls`) and a
+    pre-hook on the text model keeps this rank's slice of the whole pack (embedded, vision features placed, M-RoPE
+    positions computed): the hidden states that come back are that slice.
+
     Returns the backbone outputs and the dummy term (``None`` unless ``dummy_vision`` ran the tower on a batch
-    without pixels).
+    without pixels, or an SP rank got no vision unit).
     """
-    with tower_calls(model, **vision, dummy=dummy_vision, model_kwargs=model_kwargs) as dummy:
-        outputs = model.model(
-            input_ids=flat.input_ids,
-            attention_mask=None,
-            position_ids=flat.position_ids,
-            **vision,
-            mm_token_type_ids=flat.mm_token_type_ids,
-            use_cache=False,
-            return_dict=True,
-            **model_kwargs,
-            **{PACKED_KWARG: flat.seqs},
-        )
-    return outputs, (dummy[0] if dummy else None)
+    hook = None
+    if sp is not None:
+        shard = sequence_parallel_.text_model_pre_hook(sp, flat.seqs, PACKED_KWARG)
+        hook = model.model.language_model.register_forward_pre_hook(shard, with_kwargs=True)
+    try:
+        with tower_calls(model, **vision, dummy=dummy_vision, model_kwargs=model_kwargs, sp=sp) as dummy:
+            outputs = model.model(
+                input_ids=flat.input_ids,
+                attention_mask=None,
+                position_ids=flat.position_ids,
+                **vision,
+                mm_token_type_ids=flat.mm_token_type_ids,
+                use_cache=False,
+                return_dict=True,
+                **model_kwargs,
+                **{PACKED_KWARG: flat.seqs},
+            )
+    finally:
+        if hook is not None:
+            hook.remove()
+    return outputs, (sum(dummy) if dummy else None)
 
 
 def _loss_and_logits(
-    model, hidden: torch.Tensor, flat: FlatBatch, labels, shift_labels, want_logits: bool, options: RmpadOptions
+    model,
+    hidden: torch.Tensor,
+    flat: FlatBatch,
+    labels,
+    shift_labels,
+    want_logits: bool,
+    options: RmpadOptions,
+    sp: SPGroup | None = None,
 ) -> tuple[CrossEntropySum | None, torch.Tensor | None]:
     """Σ CE over the flat row's supervised positions (per-sequence shift) and/or its ``(T, V)`` logits.
 
     Without logits the head runs in checkpointed chunks on supervised rows only; with them, once on all rows.
+    Under sequence parallelism ``hidden`` is this rank's slice: the targets are shifted on the whole pack, then
+    sliced; the CE is this slice's; logits (outputs only, no gradient) come from the gathered hidden states.
     """
     targets = None
     if shift_labels is not None:
         targets = flat.flatten(shift_labels)
     elif labels is not None:
         targets = shift_labels_per_sequence(flat.flatten(labels), flat.seqs.cu_seqlens)
+    if sp is not None:
+        ce = None
+        if targets is not None:
+            local = sequence_parallel_.local_targets(targets, sp)
+            ce = linear_cross_entropy_sum(
+                hidden, model.lm_head, local, chunk_size=options.loss_chunk_size, use_liger=options.use_liger
+            )
+        if not want_logits:
+            return ce, None
+        with torch.no_grad():
+            logits = model.lm_head(sequence_parallel_.gather_sequence(hidden, sp, flat.indices.numel()))
+        return ce, logits
     if not want_logits:
         ce = linear_cross_entropy_sum(
             hidden, model.lm_head, targets, chunk_size=options.loss_chunk_size, use_liger=options.use_liger
@@ -183,14 +220,29 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             router = model_kwargs.get("output_router_logits")
             default = "output_router_logits" in signature.parameters and self.config.text_config.output_router_logits
             model_kwargs["output_router_logits"] = bool(default) if router is None else router
+        sp = sequence_parallel_.sp_group(options.sequence_parallel_size)
+        if sp is not None and spec.linear_attention:
+            raise ValueError(
+                f"sequence_parallel_size={sp.size} is not supported for {spec.model_type} (its Gated DeltaNet "
+                "linear-attention layers carry a recurrent state along the sequence); use sequence_parallel_size=1"
+            )
         # evaluation too: FSDP2 / ZeRO-3 all-gather the tower's parameters in every forward, with or without grad
-        outputs, dummy = _run_backbone(self, flat, vision, model_kwargs, options.dummy_vision)
+        outputs, dummy = _run_backbone(self, flat, vision, model_kwargs, options.dummy_vision, sp)
         skip_logits = packing["skip_logits"]
         want_logits = not skip_logits if skip_logits is not None else not (supervised and self.training)
         ce, flat_logits = _loss_and_logits(
-            self, outputs.last_hidden_state[0], flat, labels, shift_labels, want_logits, options
+            self, outputs.last_hidden_state[0], flat, labels, shift_labels, want_logits, options, sp
         )
-        loss = None if ce is None else reduce_loss(ce.loss_sum, ce.num_supervised, num_items_in_batch)
+        if sp is None:
+            loss = None if ce is None else reduce_loss(ce.loss_sum, ce.num_supervised, num_items_in_batch)
+        else:
+            loss = (
+                None
+                if ce is None
+                else sequence_parallel_.sp_loss(ce.loss_sum, ce.num_supervised, num_items_in_batch, sp)
+            )
+            if num_items_in_batch is not None:  # the MoE aux weight below takes this rank's share of the count too
+                num_items_in_batch = num_items_in_batch / sp.size
         if loss is not None and dummy is not None:
             loss = loss + dummy
         logits = None if flat_logits is None else _keep_logits(flat.repad(flat_logits), logits_to_keep)
@@ -200,7 +252,9 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             logits=logits,
             past_key_values=None,
             attentions=outputs.get("attentions"),
-            hidden_states=None if hidden_states is None else tuple(flat.repad(h[0]) for h in hidden_states),
+            hidden_states=None
+            if hidden_states is None
+            else tuple(flat.repad(_whole(h[0], flat, sp)) for h in hidden_states),
         )
         if spec.moe:
             fields.update(_moe_fields(self, spec, outputs, loss, ce, num_items_in_batch))
@@ -216,6 +270,11 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
     del wrapped.__wrapped__  # inspect must read __signature__, tools must not unwrap to the inner function
     wrapped.hf_packing_original = original
     return wrapped
+
+
+def _whole(hidden: torch.Tensor, flat: FlatBatch, sp: SPGroup | None) -> torch.Tensor:
+    """A flat ``(T, ...)`` output: as is, or gathered from the SP ranks' slices (no gradient)."""
+    return hidden if sp is None else sequence_parallel_.gather_sequence(hidden, sp, flat.indices.numel())
 
 
 def _keep_logits(logits: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from transformers.utils.generic import ModelOutput
 
+from ..sequence_parallel import SPGroup, encode_vision_split
+
 #: keyword prefixes transformers routes to one modality's encoder only; with one of them the calls stay apart.
 _MODALITY_PREFIXES = ("image_", "video_")
 
@@ -54,16 +56,20 @@ def _rows(tensor: torch.Tensor, sizes: list[int], keep: slice) -> torch.Tensor:
     return tensor[start : start + sum(sizes[keep])]
 
 
-def _dummy_features(model) -> torch.Tensor:
-    """The tower on one 1-frame, ``merge × merge``-patch zero image; returns 0 · Σ outputs (keeps the graph)."""
+def _dummy_output(model, **kwargs: Any) -> ModelOutput:
+    """The tower's output for one 1-frame, ``merge × merge``-patch zero image."""
     vcfg = model.config.vision_config
     merge = vcfg.spatial_merge_size
     patch_dim = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
     device = model.lm_head.weight.device
     pixels = torch.zeros(merge * merge, patch_dim, device=device, dtype=model.model.visual.dtype)
     grid = torch.tensor([[1, merge, merge]], device=device)
-    out = type(model.model).get_image_features(model.model, pixels, grid, return_dict=True)
-    return sum(t.float().sum() for t in _iter_tensors(out.to_tuple())) * 0.0
+    return type(model.model).get_image_features(model.model, pixels, grid, **{**kwargs, "return_dict": True})
+
+
+def _dummy_features(model) -> torch.Tensor:
+    """The tower on one 1-frame, ``merge × merge``-patch zero image; returns 0 · Σ outputs (keeps the graph)."""
+    return sum(t.float().sum() for t in _iter_tensors(_dummy_output(model).to_tuple())) * 0.0
 
 
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -84,11 +90,16 @@ def tower_calls(
     *,
     dummy: bool,
     model_kwargs: Mapping[str, Any] = MappingProxyType({}),
+    sp: SPGroup | None = None,
 ) -> Iterator[list[torch.Tensor]]:
     """Make ``model.model(...)`` inside the block call the vision tower exactly once (see the module docstring).
 
     Yields a list that holds the dummy term (``0 · Σ features``, a 0-d fp32 tensor) once the dummy call ran; the
     caller adds it to the loss so the tower's parameters are in the graph of every rank.
+
+    Under sequence parallelism (``sp``) that one call encodes only this rank's share of the pack's temporal units
+    (images and video frame groups, balanced by patches) and the features are all-gathered over the SP group
+    (`~hf_packing.sequence_parallel.encode_vision_split`); an SP rank that gets no unit encodes the dummy image.
     """
     inner = model.model
     dummy_terms: list[torch.Tensor] = []
@@ -107,7 +118,14 @@ def tower_calls(
             if hook is not None:
                 hook.remove()
         return
-    if any(k.startswith(_MODALITY_PREFIXES) for k in model_kwargs):  # per-modality inputs: leave the calls apart
+    separate = any(k.startswith(_MODALITY_PREFIXES) for k in model_kwargs)  # per-modality inputs: keep apart
+    if separate and sp is not None:
+        raise ValueError(
+            "sequence parallelism encodes images and videos in one split tower call; per-modality vision keywords "
+            f"({[k for k in model_kwargs if k.startswith(_MODALITY_PREFIXES)]}) cannot be split: drop them or set "
+            "sequence_parallel_size=1"
+        )
+    if separate:  # per-modality inputs: leave transformers' calls apart
         yield dummy_terms
         return
 
@@ -121,7 +139,20 @@ def tower_calls(
         pixels = torch.cat([p.to(media[0][0].dtype) for p, _ in media])
         grids = torch.cat([g for _, g in media])
         # return_dict explicitly: before 5.23 transformers let config.return_dict=False turn this into a tuple
-        out = type(inner).get_image_features(inner, pixels, grids, **{**kwargs, "return_dict": True})
+        kwargs = {**kwargs, "return_dict": True}
+        if sp is None:
+            out = type(inner).get_image_features(inner, pixels, grids, **kwargs)
+        else:
+            out, term = encode_vision_split(
+                lambda p, g: type(inner).get_image_features(inner, p, g, **kwargs),
+                pixels,
+                grids,
+                sp,
+                model.config.vision_config.spatial_merge_size,
+                lambda: _dummy_output(model, **kwargs),
+            )
+            if term is not None:
+                dummy_terms.append(term)
         patches, n_images = grids.prod(-1).tolist(), 0 if pixel_values is None else len(image_grid_thw)
         encoded["image"] = _items(out, slice(0, n_images), patches)
         encoded["video"] = _items(out, slice(n_images, None), patches)

@@ -1,0 +1,211 @@
+"""Helper for tests/test_sequence_parallel.py: Ulysses SP against SP = 1 on the same packs (CPU, gloo, fp32).
+
+    python -m torch.distributed.run --standalone --nproc_per_node W tests/multiproc_sp.py CONFIG.json
+
+CONFIG.json: ``sp`` (P), ``mode`` (``"ddp"``: torch DDP; ``"fsdp"``: FSDP2 ``fully_shard`` over all W ranks, per
+decoder layer and vision block, then the root), ``runs``: a list of ``{"family", "control", "checkpointing"}``
+(optional: non-reentrant gradient checkpointing), ``control`` being
+``null`` or a negative control (``"positions"``: positions computed after sharding, 0..T/P-1 on every rank;
+``"boundaries"``: the pack's sequence boundaries dropped), ``out``.
+
+Every rank builds the same tiny model and the same packs (images and a video; some lengths not a multiple of P).
+SP group d = rank // P trains packs [2d, 2d+1] as two accumulated micro-batches, the way the Trainer does with
+``average_tokens_across_devices``: ``num_items_in_batch`` is every rank's label count summed over the world (each
+pack counted P times), the loss is multiplied by W before backward, and DDP / FSDP average gradients over the W
+ranks. The reference is SP = 1 in one process on all 2·D packs: ``Σ CE / N`` and its gradient. Rank 0 writes the
+loss the Trainer would log, the reference loss, each parameter's max-abs gradient error relative to the reference's
+max-abs, and an eval-mode check (loss without ``num_items_in_batch``, gathered logits) to ``out``, per run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+#: sample indices of conftest.conversations(): 0 text, 1 one image, 2 two images, 3 multi-turn + image, 4 video
+PACKS = [[1, 4, 0], [2, 3, 1], [4, 2], [3, 0]]
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def full_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    grad = p.grad
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+def main(config_path: str) -> None:
+    config = json.loads(Path(config_path).read_text())
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    results = [run(config, **spec) for spec in config["runs"]]
+    if config.get("packer"):
+        results.append(packer_groups(config["sp"]))
+    if dist.get_rank() == 0:
+        Path(config["out"]).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def run(config: dict, family: str, control: str | None, checkpointing: bool = False) -> dict:
+    """One comparison (see the module docstring); returns rank 0's numbers, with the worst over ranks."""
+    rank, world, size = dist.get_rank(), dist.get_world_size(), config["sp"]
+    group = rank // size
+
+    import hf_packing
+    from hf_packing import VisionCollator, sequence_parallel
+    from hf_packing.testing.tiny import build_tiny_model
+    from tests.conftest import FIXTURES, load_processor, processed_samples
+
+    processor = load_processor(family)
+    model = build_tiny_model(family, processor_dir=FIXTURES / family, seed=0)
+    model.config.use_cache = False
+    samples = processed_samples(processor)
+    collate = VisionCollator(processor, model_config=model.config)
+    packs = [collate([[samples[i] for i in pack]]) for pack in PACKS[: 2 * world // size]]
+    counts = [int((b["labels"][..., 1:] != -100).sum()) for b in packs]
+    lengths = [int(b["attention_mask"].sum()) for b in packs]
+
+    # ---- reference: SP = 1, one process, every pack
+    hf_packing.apply_rmpad(family)
+    ref = copy.deepcopy(model)
+    ref_loss = 0.0
+    for batch in packs:
+        loss = ref(**batch, num_items_in_batch=sum(counts)).loss
+        loss.backward()
+        ref_loss += loss.item()
+    ref.eval()
+    with torch.no_grad():
+        ref_eval = ref(**packs[2 * group])
+
+    # ---- SP = P
+    hf_packing.apply_rmpad(family, sequence_parallel_size=size)
+    originals = sequence_parallel.shard_position_ids, sequence_parallel.padded_sequences
+    if control == "positions":
+        sequence_parallel.shard_position_ids = lambda pos, sp: torch.arange(
+            sequence_parallel.padded_length(pos.shape[-1], sp.size) // sp.size, dtype=pos.dtype
+        ).expand(pos.shape[0], 1, -1)
+    elif control == "boundaries":
+        sequence_parallel.padded_sequences = lambda seqs, p: type(seqs).from_seqlens(
+            [sequence_parallel.padded_length(int(seqs.cu_seqlens[-1]), p)]
+        )
+    if checkpointing:  # non-reentrant: backward recomputes each layer, its all-to-alls included
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config["mode"] == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in [*model.model.language_model.layers, *model.model.visual.blocks]:
+            fully_shard(block, mesh=mesh)
+        trained = fully_shard(model, mesh=mesh)
+    else:
+        trained = torch.nn.parallel.DistributedDataParallel(model)
+    mine = packs[2 * group : 2 * group + 2]
+    num_items = torch.tensor(sum(counts[2 * group : 2 * group + 2]))
+    dist.all_reduce(num_items)  # the Trainer's gather: every rank's count, each pack counted P times
+    from hf_packing.telemetry import PackingTelemetry
+
+    telemetry = PackingTelemetry()
+    tower_rows: list[int] = []  # pixel rows (patches) this rank's tower encodes per call
+    counting = model.model.visual.register_forward_pre_hook(lambda m, args: tower_rows.append(args[0].shape[0]))
+    sequence_parallel.COMM_TIMER.enable()
+    logged = torch.zeros(())
+    for batch in mine:
+        telemetry.observe(batch["input_ids"], batch)
+        loss = trained(**batch, num_items_in_batch=num_items).loss * world  # Trainer: loss *= num_processes
+        loss.backward()
+        logged += loss.detach()
+    dist.all_reduce(logged)
+    logged /= world  # the Trainer logs the mean over processes of the summed micro-batch losses
+    grads = {name: relative(full_grad(p), q.grad) for (name, p), q in zip(model.named_parameters(), ref.parameters())}
+
+    counted = telemetry.counts()
+    counting.remove()
+    patches = [int(sum(b[k].shape[0] for k in ("pixel_values", "pixel_values_videos") if k in b)) for b in mine]
+    share = torch.tensor([sum(tower_rows), max(patches), len(tower_rows)], dtype=torch.float64)
+    everyone = [torch.zeros_like(share) for _ in range(world)]
+    dist.all_gather(everyone, share)
+    sequence_parallel.COMM_TIMER.enable(False)
+    pad = sum(sequence_parallel.padded_length(n, size) - n for n in lengths)
+    trained.eval()
+    with torch.no_grad():
+        sp_eval = trained(**packs[2 * group])
+    sequence_parallel.shard_position_ids, sequence_parallel.padded_sequences = originals
+    n_local = torch.tensor(float(sp_eval.num_supervised_tokens))
+    dist.all_reduce(n_local, group=sequence_parallel.sp_group(size).group)
+    worst = torch.tensor(
+        [
+            abs(float(sp_eval.loss) - float(ref_eval.loss)) / abs(float(ref_eval.loss)),
+            relative(sp_eval.logits, ref_eval.logits),
+            float(int(n_local) != int(ref_eval.num_supervised_tokens)),
+        ]
+    )
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {
+        "family": family,
+        "sp": size,
+        "world": world,
+        "mode": config["mode"],
+        "control": control,
+        "checkpointing": checkpointing,
+        "lengths": lengths,
+        "loss": float(logged),
+        "ref_loss": ref_loss,
+        "loss_rel": abs(float(logged) - ref_loss) / abs(ref_loss),
+        "grad_rel": max(grads.values()),
+        "worst_param": max(grads, key=grads.get),
+        "params": len(grads),
+        "eval_loss_rel": float(worst[0]),
+        "logits_rel": float(worst[1]),
+        "eval_count_ok": not bool(worst[2]),
+        "telemetry_tokens_ok": counted["real_tokens"] == sum(lengths),  # every pack once, not once per SP rank
+        "telemetry_sp_padding_ok": counted["sp_padding_tokens"] == pad,
+        "comm_seconds": counted["comm_seconds"],
+        "tower_patches_per_rank": [int(e[0]) for e in everyone],  # dummy images included (4 patches each)
+        "tower_calls_per_rank": [int(e[2]) for e in everyone],
+        "pack_patches": [
+            sum(int(b[k].shape[0]) for k in ("pixel_values", "pixel_values_videos") if k in b) for b in packs
+        ],
+    }
+
+
+def packer_groups(size: int) -> dict:
+    """`pack_dataset` without rank / world / SP arguments, after `apply_rmpad(sequence_parallel_size=P)`: which
+    samples each rank gets. Ranks of one SP group must get the same packs, groups disjoint ones."""
+    from datasets import Dataset
+
+    from hf_packing import pack_dataset, sequence_parallel
+    from tests.conftest import load_processor
+
+    assert sequence_parallel.current_size() == size
+    rows = [
+        {"conversations": [{"from": "human", "value": f"Row {i} " + "this " * (i % 7)}, {"from": "gpt", "value": "ok"}]}
+        for i in range(24)
+    ]
+    packs = pack_dataset(Dataset.from_list(rows), load_processor("qwen2_5_vl"), max_length=64, disable_progress=True)
+    mine = [[int(s["index"]) for s in pack] for pack in packs]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    groups = [everyone[d * size : (d + 1) * size] for d in range(len(everyone) // size)]
+    firsts = [{i for pack in g[0] for i in pack} for g in groups]
+    return {
+        "packer": True,
+        "rank_world": [packs.rank, packs.world_size],
+        "same_in_group": all(all(r == g[0] for r in g) for g in groups),
+        "disjoint_groups": all(not (a & b) for j, a in enumerate(firsts) for b in firsts[j + 1 :]),
+        "packs": [len(m) for m in everyone],
+    }
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,219 @@
+"""Ulysses sequence parallelism: the sharding helpers on literal inputs, and SP = 2 / 4 against SP = 1 under gloo.
+
+The multi-process tests launch tests/multiproc_sp.py with torchrun in their own process group with a timeout, so a
+hang fails the test instead of hanging CI. Each compares, for Qwen2.5-VL and Qwen3-VL (DeepStack), the loss the
+Trainer would log and every parameter's gradient as DDP / FSDP2 combine them, against SP = 1 on the same packs
+(images and a video; lengths that are and are not multiples of P). The negative controls (positions computed after
+sharding, boundaries dropped) must fail the same comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import torchrun
+
+from hf_packing import sequence_parallel as sp_mod
+from hf_packing.sequence_parallel import SPGroup
+from hf_packing.varlen import PackedSequences
+
+HELPER = Path(__file__).parent / "multiproc_sp.py"
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+
+
+def group(rank: int, size: int) -> SPGroup:
+    return SPGroup(group=None, rank=rank, size=size)
+
+
+# ------------------------------------------------------------------------------------------ helpers, exact
+
+
+def test_padded_sequences_add_one_tail_segment():
+    seqs = PackedSequences.from_seqlens([4, 6])
+    padded = sp_mod.padded_sequences(seqs, 4)
+    assert padded.cu_seqlens.tolist() == [0, 4, 10, 12] and padded.seqlens == [4, 6, 2] and padded.max_seqlen == 6
+    assert sp_mod.padded_sequences(seqs, 2) is seqs  # 10 divides by 2: no padding at all
+    assert [sp_mod.padded_length(n, 4) for n in (1, 4, 10, 12)] == [4, 4, 12, 12]
+
+
+def test_pad_and_shard_slices_like_the_module_picture():
+    x = torch.arange(10)
+    shards = [sp_mod.pad_and_shard(x, group(r, 4), dim=0, value=-1).tolist() for r in range(4)]
+    assert shards == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, -1, -1]]
+    embeds = torch.arange(10.0).view(1, 10, 1)
+    assert sp_mod.pad_and_shard(embeds, group(1, 2), dim=1).flatten().tolist() == [5.0, 6.0, 7.0, 8.0, 9.0]
+
+
+def test_targets_are_shifted_before_sharding():
+    from hf_packing.loss import shift_labels_per_sequence
+
+    labels = torch.tensor([-100, 11, 12, -100, -100, 22, 23])  # sequences [0, 3) and [3, 7)
+    targets = shift_labels_per_sequence(labels, torch.tensor([0, 3, 7]))
+    shards = [sp_mod.local_targets(targets, group(r, 4)).tolist() for r in range(4)]
+    assert shards == [[11, 12], [-100, -100], [22, 23], [-100, -100]]
+
+
+def test_position_ids_shard_with_a_counting_tail():
+    pos = torch.tensor([[0, 1, 2, 2, 3], [0, 1, 1, 2, 3], [0, 1, 2, 1, 3]]).unsqueeze(1)  # (3, 1, 5) M-RoPE
+    shards = [sp_mod.shard_position_ids(pos, group(r, 2)) for r in range(2)]
+    assert shards[0].squeeze(1).tolist() == [[0, 1, 2], [0, 1, 1], [0, 1, 2]]
+    assert shards[1].squeeze(1).tolist() == [[2, 3, 0], [2, 3, 0], [1, 3, 0]]
+
+
+def test_deepstack_features_follow_their_tokens():
+    mask = torch.tensor([[False, True, True, False, True]])  # visual tokens at 1, 2, 4
+    feats = [torch.tensor([[10.0], [20.0], [40.0]]), torch.tensor([[1.0], [2.0], [4.0]])]
+    out = [sp_mod.shard_deepstack(mask, feats, group(r, 2)) for r in range(2)]
+    assert out[0][0].tolist() == [[False, True, True]] and [f.flatten().tolist() for f in out[0][1]] == [
+        [10.0, 20.0],
+        [1.0, 2.0],
+    ]
+    assert out[1][0].tolist() == [[False, True, False]] and [f.flatten().tolist() for f in out[1][1]] == [
+        [40.0],
+        [4.0],
+    ]
+
+
+def test_kv_heads_are_replicated_only_when_fewer_than_the_group():
+    assert [sp_mod.kv_replication(4, 2, p) for p in (1, 2, 4)] == [1, 1, 2]
+    assert sp_mod.kv_replication(32, 8, 16) == 2 and sp_mod.kv_replication(28, 4, 4) == 1
+    with pytest.raises(ValueError, match="not divisible by sequence_parallel_size=3"):
+        sp_mod.kv_replication(4, 2, 3)
+
+
+def test_telemetry_counts_the_padding_sp_adds():
+    from hf_packing.telemetry import PackingTelemetry
+
+    sp_mod.set_size(4)
+    try:
+        telemetry = PackingTelemetry(all_reduce=False)
+        mask = torch.tensor([[1] * 6 + [0] * 3, [1] * 4 + [0] * 5])  # one pack of 10 real tokens → 12
+        telemetry.observe(torch.zeros(2, 9, dtype=torch.long), {"attention_mask": mask})
+        telemetry.observe(torch.zeros(1, 8, dtype=torch.long), {})  # flat, 8 tokens: no padding
+        counts = telemetry.counts()
+        assert counts["real_tokens"] == 18 and counts["sp_padding_tokens"] == 2
+    finally:
+        sp_mod.set_size(1)
+
+
+def test_without_a_process_group_sp_raises_a_named_error():
+    import hf_packing
+    from hf_packing.testing.tiny import build_tiny_model
+
+    assert sp_mod.data_parallel_rank_world(2) == (0, 1)
+    with pytest.raises(ValueError, match="sequence_parallel_size must be an int >= 1"):
+        hf_packing.apply_rmpad("qwen2_vl", sequence_parallel_size=0)
+    hf_packing.apply_rmpad("qwen2_vl", sequence_parallel_size=2)
+    assert sp_mod.current_size() == 2
+    model = build_tiny_model("qwen2_vl")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(ValueError, match="sequence_parallel_size=2 needs torch.distributed"):
+        model(input_ids=ids, labels=ids)
+    hf_packing.revert_rmpad()
+    assert sp_mod.current_size() == 1
+
+
+# ------------------------------------------------------------------------------------------ gloo, 2 and 4 processes
+
+
+def launch(tmp_path: Path, nproc: int, timeout: float, **config) -> list[dict]:
+    """tests/multiproc_sp.py on ``nproc`` gloo processes (conftest's `torchrun`); rank 0's results, one per run."""
+    config = {"out": str(tmp_path / "out.json"), **config}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    t0 = time.perf_counter()
+    proc = torchrun(HELPER, str(tmp_path / "config.json"), nproc=nproc, timeout=timeout)
+    if proc is None:
+        pytest.fail(f"torchrun hung past {timeout} s")
+    start = proc.stderr.find("Traceback")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[max(start, 0) :][:6000]
+    results = json.loads((tmp_path / "out.json").read_text())
+    print(f"{nproc} processes, {time.perf_counter() - t0:.1f} s")
+    for r in results:
+        if "family" in r:
+            keys = ("family", "sp", "world", "mode", "control", "lengths", "loss_rel", "grad_rel", "eval_loss_rel")
+            print({k: r[k] for k in keys + ("logits_rel", "pack_patches", "tower_patches_per_rank", "comm_seconds")})
+        else:
+            print(r)
+    return results
+
+
+def check_equal(result: dict, size: int) -> None:
+    assert result["loss_rel"] <= LOSS_TOL and result["grad_rel"] <= GRAD_TOL, result
+    assert result["eval_loss_rel"] <= LOSS_TOL and result["logits_rel"] <= GRAD_TOL and result["eval_count_ok"], result
+    assert any(n % size for n in result["lengths"]), result["lengths"]  # a pack that needed padding
+    # the tower's work is split: every rank encodes fewer patches than its group's packs hold (+ dummy images)
+    for rank, encoded in enumerate(result["tower_patches_per_rank"]):
+        d = rank // size
+        assert encoded < sum(result["pack_patches"][2 * d : 2 * d + 2]), result
+    assert result["tower_calls_per_rank"] == [2] * result["world"], result  # one call per micro-batch on every rank
+    assert result["telemetry_tokens_ok"] and result["telemetry_sp_padding_ok"] and result["comm_seconds"] > 0, result
+
+
+def test_sp2_equals_sp1_and_negative_controls_fail(tmp_path):
+    runs = [
+        {"family": "qwen2_5_vl", "control": None},
+        {"family": "qwen3_vl", "control": None},
+        {"family": "qwen2_5_vl", "control": "positions"},
+        {"family": "qwen3_vl", "control": "boundaries"},
+    ]
+    results = launch(tmp_path, 2, 240, sp=2, mode="ddp", runs=runs)
+    for result in results[:2]:
+        check_equal(result, 2)
+    for result in results[2:]:
+        assert result["loss_rel"] > LOSS_TOL or result["grad_rel"] > GRAD_TOL, result
+        assert result["grad_rel"] > 100 * GRAD_TOL, result
+
+
+def test_sp4_equals_sp1_with_replicated_kv_heads(tmp_path):
+    """4 query heads, 2 KV heads: P = 4 replicates each KV head twice. Qwen3-VL with gradient checkpointing (the
+    backward recomputes the all-to-alls)."""
+    runs = [{"family": "qwen2_5_vl", "control": None}, {"family": "qwen3_vl", "control": None, "checkpointing": True}]
+    for result in launch(tmp_path, 4, 300, sp=4, mode="ddp", runs=runs):
+        check_equal(result, 4)
+
+
+def test_fsdp2_dp2_x_sp2_equals_sp1(tmp_path):
+    """FSDP2 over all 4 ranks (2 data-parallel groups × 2 SP ranks), each group on its own packs."""
+    runs = [{"family": "qwen2_5_vl", "control": None}, {"family": "qwen3_vl", "control": None}]
+    *results, packer = launch(tmp_path, 4, 300, sp=2, mode="fsdp", runs=runs, packer=True)
+    for result in results:
+        assert result["world"] == 4 and len(result["lengths"]) == 4
+        check_equal(result, 2)
+    # pack_dataset took its data-parallel rank and size from the SP setting: 2 groups, same packs inside one
+    assert packer["rank_world"] == [0, 2] and packer["same_in_group"] and packer["disjoint_groups"], packer
+    assert min(packer["packs"]) > 0, packer
+
+
+@pytest.mark.slow
+def test_trainer_recipe_with_sp2_equals_sp1(tmp_path):
+    """recipes/train.py (Trainer, prepare_trainer, telemetry, token-level eval) on 2 processes with SP=2 against 1
+    process: the same packs, the same 3 optimizer steps and evaluations."""
+    import sys
+
+    from test_recipes import _write_data
+
+    from hf_packing.testing.tiny import save_tiny_checkpoint
+
+    model = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
+    data = _write_data(tmp_path / "data").parent
+    helper = Path(__file__).parent / "multiproc_sp_trainer.py"
+    hist = {}
+    for nproc, sp in ((1, "1"), (2, "2")):
+        out = tmp_path / f"sp{sp}"
+        proc = torchrun(helper, str(out), str(model), str(data), sp, nproc=nproc, timeout=300)
+        assert proc is not None and proc.returncode == 0, proc and proc.stderr[-6000:]
+        hist[sp] = json.loads((out / "hist.json").read_text())
+    train = {sp: [h for h in hist[sp] if "loss" in h] for sp in hist}
+    evals = {sp: [h["eval_loss"] for h in hist[sp] if "eval_loss" in h] for sp in hist}
+    print({sp: [h["loss"] for h in train[sp]] for sp in train}, evals, file=sys.stderr)
+    assert len(train["2"]) == 3 and len(evals["2"]) == 3
+    for a, b in zip(train["1"], train["2"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+    assert evals["1"] == pytest.approx(evals["2"], rel=1e-5)
+    last = train["2"][-1]
+    assert last["packing/tokens_per_s_per_sp_group"] == pytest.approx(last["packing/tokens_per_s"])
+    assert 0 < last["packing/sp_all_to_all_share"] < 1 and "packing/sp_padding_tokens" in last
