@@ -14,6 +14,7 @@ lines, FSDP2 / ZeRO notes and resuming.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -74,6 +75,13 @@ class DataArguments:
     )
     fps: list[float] | None = field(
         default=None, metadata={"help": "sampling rate of pre-sampled video frames: one, or one per dataset_path"}
+    )
+    videos_kwargs: str | None = field(
+        default=None,
+        metadata={
+            "help": "video files' sampling and size, JSON in the video processors' names, e.g. "
+            '\'{"fps": 2, "max_frames": 64, "max_pixels": 200704}\' (one for all sources)'
+        },
     )
     row_format: list[str] | None = field(
         default=None, metadata={"help": "auto | messages | llava: one, or one per dataset_path (default: detected)"}
@@ -290,9 +298,10 @@ def load_model(model_args: ModelArguments):
 
 
 def main(argv: list[str] | None = None) -> Trainer:
-    from transformers import AutoProcessor
+    from transformers import AutoConfig, AutoProcessor
 
     from hf_packing import VisionCollator, prepare_trainer
+    from hf_packing.balance import WorkCost
     from hf_packing.stream import pack_dataset
 
     model_args, data_args, packing, training_args = parse_args(argv)
@@ -334,6 +343,11 @@ def main(argv: list[str] | None = None) -> Trainer:
         buffer_size=packing.buffer_size,
         seed=training_args.seed,
         on_overlong=packing.on_overlong,
+        videos_kwargs=json.loads(data_args.videos_kwargs) if data_args.videos_kwargs else None,
+        model_config=WorkCost.from_config(
+            AutoConfig.from_pretrained(model_args.model_name_or_path),
+            vision_trainable=not model_args.freeze_vision_tower,
+        ),  # ranks balanced on this model's text and vision work
         rank=training_args.process_index // model_args.sequence_parallel_size,  # SP ranks share their packs
         world_size=training_args.world_size // model_args.sequence_parallel_size,
     )
