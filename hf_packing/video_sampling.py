@@ -151,7 +151,9 @@ class VideoSampling:
         factor = vp.patch_size * vp.merge_size
         share = int(vp.max_video_tokens * factor * factor * 0.9) * self.tps // frames
         longest = max(min(size["longest_edge"], share), int(size["shortest_edge"] * 1.05))
-        return {"size": {"shortest_edge": size["shortest_edge"], "longest_edge": longest}}
+        # the helper reads `size` on transformers 5.23, `min_pixels` / `max_pixels` before: both, with one bound
+        bounds = {"shortest_edge": size["shortest_edge"], "longest_edge": longest}
+        return {"size": bounds, "min_pixels": bounds["shortest_edge"], "max_pixels": longest}
 
     def processor_kwargs(self) -> dict[str, Any]:
         """`videos_kwargs` for the processor call on already sampled frames (the pixel budget, when set)."""
