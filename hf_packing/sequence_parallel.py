@@ -462,11 +462,11 @@ def encode_vision_split(
         ]
         local_grid = grid_thw.new_tensor([[1, units[u][2], units[u][3]] for u in mine[sp.rank]])
         out = encode(torch.cat(rows), local_grid)
-        parts = [torch.cat(out.pooler_output)] + [torch.cat(layer) for layer in out.get("deepstack_features") or []]
+        parts = [_rows(out.pooler_output)] + [_rows(layer) for layer in out.get("deepstack_features") or []]
     else:
         out = dummy()
         dummy_term = sum(t.float().sum() for t in _tensors(out.to_tuple())) * 0.0
-        parts = [out.pooler_output[0][:0]] + [layer[0][:0] for layer in out.get("deepstack_features") or []]
+        parts = [_rows(out.pooler_output)[:0]] + [_rows(layer)[:0] for layer in out.get("deepstack_features") or []]
     width = parts[0].shape[1]
     gathered = _GatherRows.apply(torch.cat(parts, dim=1), per_rank, sp.group, sp.rank)
     # rows arrive rank by rank; put each unit's rows back in unit order, then split by item and by output
@@ -479,12 +479,20 @@ def encode_vision_split(
     )
     whole = gathered.index_select(0, order.to(gathered.device)).split(width, dim=1)
     sizes = [t * h * w // merge**2 for t, h, w in grids]
-    fields = dict(out.items())
-    fields["pooler_output"] = whole[0].split(sizes)
-    if len(whole) > 1:
-        fields["deepstack_features"] = [layer.split(sizes) for layer in whole[1:]]
-    fields["last_hidden_state"] = None
-    return type(out)(**fields), dummy_term
+    split = out.get("deepstack_features") and not isinstance(out.deepstack_features[0], torch.Tensor)
+    result = type(out)()
+    for key, value in out.items():  # key by key: some towers add keys that are not fields (router_logits)
+        if key != "last_hidden_state":  # the pre-merge patches of this rank's units only: not the pack's
+            result[key] = value
+    result["pooler_output"] = whole[0].split(sizes)
+    if len(whole) > 1:  # as the tower gives them: a tuple per item (5.23), or one tensor per layer (5.17)
+        result["deepstack_features"] = [layer.split(sizes) if split else layer for layer in whole[1:]]
+    return result, dummy_term
+
+
+def _rows(items: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``(n, C)`` rows of a tower output field: a tuple per item (concatenated) or already one tensor."""
+    return items if isinstance(items, torch.Tensor) else torch.cat(items)
 
 
 def _tensors(obj: Any):

@@ -29,7 +29,8 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 240) -> 
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{Path(__file__).parent}",
+        # the caller's entries stay (a transformers version under test, say), after the repository's
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
