@@ -432,7 +432,7 @@ def encode_vision_split(
     grid_thw: torch.Tensor,
     sp: SPGroup,
     merge: int,
-    dummy: Callable[[], Any],
+    dummy: Callable[[], tuple[Any, torch.Tensor]],
 ) -> tuple[Any, torch.Tensor | None]:
     """The tower's output for every item of the pack, each rank encoding only its units (`split_vision_units`).
 
@@ -441,8 +441,8 @@ def encode_vision_split(
             Qwen3-VL, ``deepstack_features`` (per layer, a tuple per item): the model's ``get_image_features``.
         pixel_values (`(Σ t·h·w, C_in)`), grid_thw (`(items, 3)`): the pack's images or videos.
         merge: the spatial merge size (features per unit = ``h·w / merge²``).
-        dummy: runs the tower on a dummy image and returns its output, for a rank that got no unit (every rank
-            calls the tower once: FSDP / ZeRO-3 gather its parameters collectively).
+        dummy: runs the tower on a dummy image and returns its output and ``0 · Σ`` of it, for a rank that got no
+            unit (every rank calls the tower once: FSDP / ZeRO-3 gather its parameters collectively).
 
     Returns:
         The output with ``pooler_output`` / ``deepstack_features`` for all items in item order, gathered over the
@@ -464,8 +464,7 @@ def encode_vision_split(
         out = encode(torch.cat(rows), local_grid)
         parts = [_rows(out.pooler_output)] + [_rows(layer) for layer in out.get("deepstack_features") or []]
     else:
-        out = dummy()
-        dummy_term = sum(t.float().sum() for t in _tensors(out.to_tuple())) * 0.0
+        out, dummy_term = dummy()
         parts = [_rows(out.pooler_output)[:0]] + [_rows(layer)[:0] for layer in out.get("deepstack_features") or []]
     width = parts[0].shape[1]
     gathered = _GatherRows.apply(torch.cat(parts, dim=1), per_rank, sp.group, sp.rank)
@@ -493,14 +492,6 @@ def encode_vision_split(
 def _rows(items: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
     """``(n, C)`` rows of a tower output field: a tuple per item (concatenated) or already one tensor."""
     return items if isinstance(items, torch.Tensor) else torch.cat(items)
-
-
-def _tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
 
 
 # ----------------------------------------------------------------------------------------------- loss

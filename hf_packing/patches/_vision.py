@@ -67,9 +67,10 @@ def _dummy_output(model, **kwargs: Any) -> ModelOutput:
     return type(model.model).get_image_features(model.model, pixels, grid, **{**kwargs, "return_dict": True})
 
 
-def _dummy_features(model) -> torch.Tensor:
-    """The tower on one 1-frame, ``merge × merge``-patch zero image; returns 0 · Σ outputs (keeps the graph)."""
-    return sum(t.float().sum() for t in _iter_tensors(_dummy_output(model).to_tuple())) * 0.0
+def _dummy_features(model, **kwargs: Any) -> tuple[ModelOutput, torch.Tensor]:
+    """The dummy image's tower output and 0 · Σ of it (a 0-d fp32 tensor that keeps the tower in the graph)."""
+    out = _dummy_output(model, **kwargs)
+    return out, sum(t.float().sum() for t in _iter_tensors(out.to_tuple())) * 0.0
 
 
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -109,7 +110,7 @@ def tower_calls(
 
             def after_embedding(*_) -> None:
                 if not dummy_terms:
-                    dummy_terms.append(_dummy_features(model))
+                    dummy_terms.append(_dummy_features(model)[1])
 
             hook = inner.get_input_embeddings().register_forward_hook(after_embedding)
         try:
@@ -149,7 +150,7 @@ def tower_calls(
                 grids,
                 sp,
                 model.config.vision_config.spatial_merge_size,
-                lambda: _dummy_output(model, **kwargs),
+                lambda: _dummy_features(model, **kwargs),
             )
             if term is not None:
                 dummy_terms.append(term)
