@@ -17,6 +17,7 @@ __all__ = [
     "pack_dataset",
     "VisionCollator",
     "prepare_trainer",
+    "end_distributed",
 ]
 
 # Lazy re-exports keep `import hf_packing` free of transformers/torch work until a name is used.
@@ -28,10 +29,12 @@ _LAZY = {
     "pack_dataset": "hf_packing.stream",
     "VisionCollator": "hf_packing.collator",
     "prepare_trainer": "hf_packing.trainer",
+    "end_distributed": "hf_packing.distributed",
 }
 
 if TYPE_CHECKING:
     from .collator import VisionCollator
+    from .distributed import end_distributed
     from .patches import apply_rmpad, revert_rmpad, supported_model_types
     from .planner import plan_packs
     from .stream import pack_dataset

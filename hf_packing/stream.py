@@ -46,6 +46,7 @@ ms of CPU per row estimated, ~26 ms per sample processed); a `datasets.Dataset` 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -76,6 +77,27 @@ logger = logging.getLogger("hf_packing")
 
 _STATE_VERSION = 4  # 3: scheduled steps and cost weights; 4: video skip reasons and counters in the PackStats row
 _MAX_SLOTS = 65  # rows of the shared stats table: the main process + up to 64 DataLoader workers
+#: live producer threads -> their stop events (every thread registers itself; `_stop_producers` ends them at exit)
+_PRODUCERS: dict[threading.Thread, threading.Event] = {}
+
+
+@atexit.register
+def _stop_producers(timeout: float = 30.0) -> None:
+    """Stops and joins every producer thread while the interpreter is still whole.
+
+    Why at exit: an iterator kept alive to the end (a DataLoader iterator stored on an object, a generator in a
+    reference cycle) leaves its daemon producer running, possibly inside torch or PIL C++ code with the GIL released.
+    When the interpreter finalises, a daemon thread that reacquires the GIL is ended by `pthread_exit`, whose unwinding
+    through a C++ ``noexcept`` frame aborts the whole process ("terminate called without an active exception",
+    SIGABRT) after the work is done. atexit handlers run before that, while every thread can still return normally.
+    """
+    for stop in list(_PRODUCERS.values()):
+        stop.set()
+    for thread in list(_PRODUCERS):
+        if thread.is_alive():
+            thread.join(timeout)
+
+
 _PLAN_KEYS = (
     "max_length",
     "strategy",
@@ -603,8 +625,11 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 put(("done", replica.stats.to_row()))
             except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
                 put(("error", err))
+            finally:
+                _PRODUCERS.pop(threading.current_thread(), None)
 
         thread = threading.Thread(target=produce, name=f"hf_packing-r{replica.rank}w{replica.worker}", daemon=True)
+        _PRODUCERS[thread] = replica.stop
         slot = replica.worker + 1 if in_worker else 0
         self._shared[slot] = 0
         self._shared[slot, 0] = time.time()
@@ -632,9 +657,9 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 self._publish(slot, position["stats"])
                 self._state = {**self._header(), **where, "position": position}
                 yield samples
-        finally:
+        finally:  # the iterator was exhausted, closed or garbage-collected: the thread ends with it
             replica.stop.set()
-            thread.join(timeout=10)
+            thread.join(timeout=30)
 
     def _publish(self, slot: int, stats_row: list[int]) -> None:
         self._shared[slot, 1] = time.time()

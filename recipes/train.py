@@ -300,7 +300,7 @@ def load_model(model_args: ModelArguments):
 def main(argv: list[str] | None = None) -> Trainer:
     from transformers import AutoConfig, AutoProcessor
 
-    from hf_packing import VisionCollator, prepare_trainer
+    from hf_packing import VisionCollator, end_distributed, prepare_trainer
     from hf_packing.balance import WorkCost
     from hf_packing.stream import pack_dataset
 
@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> Trainer:
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model()
     logger.info("packing stats: %s", packs.stats(log=False))
+    end_distributed()  # every rank: barrier, then destroy the process group (no SIGABRT at interpreter exit)
     return trainer
 
 

@@ -17,12 +17,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hf_packing.distributed import end_distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
 def main(out: str) -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     import hf_packing
     from hf_packing.testing.tiny import build_tiny_model
@@ -49,7 +51,7 @@ def main(out: str) -> None:
         losses.append(loss.item())
     if rank == 0:
         Path(out).write_text(json.dumps({"losses": losses}))
-    dist.destroy_process_group()
+    end_distributed()  # barrier, gc, destroy_process_group: no abort at interpreter exit
 
 
 if __name__ == "__main__":

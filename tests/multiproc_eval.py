@@ -73,6 +73,7 @@ def main() -> None:
     out = Path(config["out"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "evaluated": evaluated, "metrics": metrics}))
+    hf_packing.end_distributed()  # barrier, gc, destroy_process_group: no abort at interpreter exit
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(model_type: str, out: str, separate: bool) -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=45))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -77,7 +77,7 @@ def main(model_type: str, out: str, separate: bool) -> None:
         losses.append(model(**processed_batch(processor, steps[1])).loss.item())
     counts.append(len(calls))
     Path(f"{out}.{rank}").write_text(json.dumps({"losses": losses, "tower_calls": counts}))
-    dist.destroy_process_group()
+    hf_packing.end_distributed()  # barrier, gc, destroy_process_group: no abort at interpreter exit
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hf_packing.distributed import end_distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -47,13 +49,13 @@ def full_grad(p: torch.nn.Parameter) -> torch.Tensor:
 
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     results = [run(config, **spec) for spec in config["runs"]]
     if config.get("packer"):
         results.append(packer_groups(config["sp"]))
     if dist.get_rank() == 0:
         Path(config["out"]).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_distributed()  # barrier, gc, destroy_process_group: no abort at interpreter exit
 
 
 def run(config: dict, family: str, control: str | None, checkpointing: bool = False) -> dict:

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import image, load_processor  # noqa: E402
 
+from hf_packing.distributed import end_distributed  # noqa: E402
 from hf_packing.stream import pack_dataset  # noqa: E402
 
 SHARDS = (5, 17, 44)
@@ -64,7 +65,7 @@ def write_dataset(work: Path) -> list[str]:
 
 def main() -> None:
     work, out = Path(sys.argv[1]), Path(sys.argv[2])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -93,7 +94,7 @@ def main() -> None:
         "shards": shards,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    end_distributed()  # barrier, gc, destroy_process_group: no abort at interpreter exit
 
 
 if __name__ == "__main__":

@@ -186,6 +186,7 @@ def main() -> None:
         "sharded": type(next(trainer.model.parameters())).__name__,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    hf_packing.end_distributed()  # barrier, gc, destroy_process_group: no abort at interpreter exit
 
 
 def fsdp2_on_cpu(trainer: Any) -> None:

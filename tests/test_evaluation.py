@@ -324,6 +324,7 @@ def test_spread_leftovers_give_every_eval_pack_to_exactly_one_rank(processor, ev
     assert [s["index"] for s in filler] == [-1] and (filler[0]["labels"] == -100).all()
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
 def test_two_processes_evaluate_every_pack_once_and_match_one_process(
     tmp_path, tiny_model, eval_file, reference, patched

@@ -220,6 +220,7 @@ def test_moe_aux_loss_keeps_its_weight_under_accumulation_in_the_trainer():
     assert_equivalent((1.0, norm(ref)), (1.0, norm(got)), "moe aux, accumulation 2")
 
 
+@pytest.mark.multiproc
 def test_ddp_with_an_unsupervised_micro_batch(tmp_path):
     """DDP, find_unused_parameters=False: a rank whose micro-batch has no supervised token still gives lm_head a
     (zero) gradient, so the next step does not fail with "Expected to have finished reduction"; a step with no

@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 import yaml
-from conftest import image
+from conftest import image, torchrun
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TRAIN_CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
@@ -303,3 +303,21 @@ def test_train_py_fails_loudly_when_no_row_is_usable(train, tmp_path, monkeypatc
             ]
         )
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.multiproc
+def test_train_py_on_two_processes_trains_evaluates_and_exits_0(tmp_path):
+    """`torchrun --nproc_per_node 2 recipes/train.py` (gloo): both ranks train, evaluate and save, then end the run
+    with `end_distributed`, so the job exits 0 instead of aborting at interpreter exit (SIGABRT, exit code -6)."""
+    from hf_packing.testing.tiny import save_tiny_checkpoint
+
+    model_dir = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
+    data = _write_data(tmp_path / "data")
+    args = ["--model_name_or_path", str(model_dir), "--dataset_path", str(data)]
+    args += ["--image_root", str(tmp_path / "data" / "images"), "--output_dir", str(tmp_path / "out")]
+    proc = torchrun(RECIPES / "train.py", str(RECIPES / "configs/tiny_cpu.yaml"), *args, timeout=300)
+    assert proc is not None, "recipes/train.py on 2 processes hung past 300 s"
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "terminate called" not in proc.stderr
+    assert proc.stdout.count("'eval_loss'") == 2, proc.stdout[-2000:]  # evaluated after each of the 2 steps
+    assert (tmp_path / "out" / "model.safetensors").exists()

@@ -153,6 +153,7 @@ def check_equal(result: dict, size: int) -> None:
     assert result["telemetry_tokens_ok"] and result["telemetry_sp_padding_ok"] and result["comm_seconds"] > 0, result
 
 
+@pytest.mark.multiproc
 def test_sp2_equals_sp1_and_negative_controls_fail(tmp_path):
     runs = [
         {"family": "qwen2_5_vl", "control": None},
@@ -168,6 +169,7 @@ def test_sp2_equals_sp1_and_negative_controls_fail(tmp_path):
         assert result["grad_rel"] > 100 * GRAD_TOL, result
 
 
+@pytest.mark.multiproc
 def test_sp4_equals_sp1_with_replicated_kv_heads(tmp_path):
     """4 query heads, 2 KV heads: P = 4 replicates each KV head twice. Qwen3-VL with gradient checkpointing (the
     backward recomputes the all-to-alls)."""
@@ -188,6 +190,7 @@ def test_fsdp2_dp2_x_sp2_equals_sp1(tmp_path):
     assert min(packer["packs"]) > 0, packer
 
 
+@pytest.mark.multiproc
 @pytest.mark.slow
 def test_trainer_recipe_with_sp2_equals_sp1(tmp_path):
     """recipes/train.py (Trainer, prepare_trainer, telemetry, token-level eval) on 2 processes with SP=2 against 1

@@ -233,11 +233,74 @@ def test_closing_the_iterator_stops_the_thread(data):
     assert _producers()
     it.close()
     assert not _producers()
-    it = iter(make(data, prefetch=1))
-    next(it)
-    del it  # garbage-collected generator: its finally stops the thread
-    time.sleep(0.2)
+
+
+def _pack_ids(pack: list[dict]) -> list[int]:
+    return [s["index"] for s in pack]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_iterator_dropped_mid_epoch_leaves_nothing_running(data, num_workers):
+    """A DataLoader iterator abandoned after 2 batches (max_steps reached mid-epoch): after `gc.collect()` no producer
+    thread of ours is alive in this process and no worker process (each held its own producer) is left."""
+    import gc
+    import multiprocessing
+
+    loader = DataLoader(make(data, prefetch=1), batch_size=None, num_workers=num_workers, collate_fn=_pack_ids)
+    it = iter(loader)
+    next(it), next(it)
+    if num_workers == 0:
+        assert len(_producers()) == 1
+    else:
+        workers = list(it._workers)
+        assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    del it
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while (_producers() or multiprocessing.active_children()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not _producers()
+    assert not multiprocessing.active_children()
+    if num_workers:
+        assert not any(w.is_alive() for w in workers)
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["hook", "negative_control"])
+def test_a_process_exiting_with_a_live_iterator_stops_its_thread_first(tmp_path, hook):
+    """A script ends while its iterator is still alive, held in a reference cycle (so no refcount drop closes it).
+    The atexit hook stops and joins the producer before the interpreter finalises (a daemon thread still running
+    then can abort the process); an atexit handler registered before it (so run after it) sees no producer left.
+    Negative control: with the hook unregistered that handler still sees the producer alive."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "live.py"
+    script.write_text(
+        f"""
+import atexit, sys, threading
+alive = lambda: [t for t in threading.enumerate() if t.name.startswith("hf_packing-") and t.is_alive()]
+atexit.register(lambda: print("producers after the hook:", len(alive()), flush=True))  # runs after stream's hook
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from datasets import Dataset
+from conftest import load_processor
+from hf_packing import stream
+if not {hook}:
+    atexit.unregister(stream._stop_producers)
+rows = [{{"messages": [{{"role": "user", "content": "hi " * 20}}, {{"role": "assistant", "content": "ok " * 30}}]}}
+        for _ in range(400)]
+packs = stream.pack_dataset(Dataset.from_list(rows), load_processor("qwen2_vl"), max_length=256, buffer_size=8,
+                            prefetch=1, disable_progress=True)
+it = iter(packs)
+next(it)
+holder = {{"it": it}}
+holder["self"] = holder
+print("producers at exit:", len(alive()), flush=True)
+"""
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "producers at exit: 1" in proc.stdout
+    assert f"producers after the hook: {0 if hook else 1}" in proc.stdout, proc.stdout
 
 
 def test_mixing_keeps_per_source_counts(data, tmp_path):
@@ -337,6 +400,7 @@ def test_a_pack_whose_samples_all_fail_to_decode_is_replaced_by_a_filler(data, t
     assert stats["skipped_while_planning"] == {}
 
 
+@pytest.mark.multiproc
 def test_two_processes_with_uneven_shards(tmp_path):
     """torchrun --nproc_per_node 2 (gloo): equal pack counts, disjoint samples, totals add up; an all_reduce per
     pack would hang (and time out) if the ranks disagreed."""

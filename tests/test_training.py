@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from conftest import image, torchrun
 
+pytestmark = pytest.mark.multiproc  # every test here launches torchrun (directly or through a fixture)
+
 HELPER = Path(__file__).parent / "multiproc_train.py"
 ROOT = Path(__file__).parents[1]
 SHARDS = (5, 17, 44)  # deliberately uneven parquet files
@@ -78,7 +80,7 @@ def launch(
         "out": str(work / "out"),
         "output_dir": str(work / "trainer"),
         "max_length": MAX_LENGTH,
-        "pg_timeout": 60,
+        "pg_timeout": 120,  # well above a loaded 2-core machine's stalls, below the launcher's kill
         **config,
     }
     (work / "config.json").write_text(json.dumps(config))
@@ -170,7 +172,7 @@ def test_fsdp2_with_a_text_only_rank_completes_with_dummy_vision(tiny_model, spl
         max_steps=3,
         fsdp=True,
         dummy_vision=True,
-        pg_timeout=30,
+        pg_timeout=120,
     )
     check_ok(proc, results, seconds, "FSDP2, dummy_vision=True")
     r0, r1 = results

@@ -71,6 +71,7 @@ def _fsdp_run(tmp_path: Path, model_type: str, *extra: str) -> subprocess.Comple
     return proc
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
 def test_fsdp2_mixed_image_video_ranks_complete(tmp_path, model_type):
     """2 gloo processes under FSDP2: rank 0 images + video, rank 1 images only, then text only. Both finish their
@@ -83,6 +84,7 @@ def test_fsdp2_mixed_image_video_ranks_complete(tmp_path, model_type):
         assert all(torch.isfinite(torch.tensor(result["losses"])))
 
 
+@pytest.mark.multiproc
 def test_fsdp2_mixed_ranks_negative_control(tmp_path):
     """The same run with the tower calls left as transformers makes them (2 on rank 0, 1 on rank 1) fails."""
     proc = _fsdp_run(tmp_path, "qwen2_5_vl", "separate")

@@ -1,0 +1,41 @@
+"""Ending a distributed run cleanly: `end_distributed`, the last call of every rank.
+
+A script that finishes its work and leaves its process group to interpreter exit can still die with SIGABRT
+("terminate called without an active exception"), and every scheduler (SLURM, Kubernetes, torchrun) marks the job
+failed. The group's C++ worker threads (gloo's, NCCL's watchdog) then outlive the interpreter's normal life: a
+worker that drops the last reference to a tensor of a finished `Work` has to take the GIL to free its Python
+object, and once the interpreter has started finalising, taking the GIL ends the thread with `pthread_exit`, whose
+unwinding through a C++ ``noexcept`` frame calls `std::terminate` (pytorch/pytorch#179291 describes it; torch
+does not register an exit hook for it). Ranks that reach exit at different times make it likelier, and so does a
+loaded machine. The Trainer never destroys the group it (through accelerate) created.
+
+`end_distributed` ends the run as torch recommends: a barrier (every rank is past its last collective, and gloo's
+barrier waits for this rank's earlier asynchronous work), a garbage collection (finished `Work` objects held in
+reference cycles, by FSDP2 or DDP hooks for example, let go of their tensors now, on this thread), then
+`torch.distributed.destroy_process_group()`, which joins the group's threads while the interpreter is whole.
+The packer's own producer threads are stopped at exit by `hf_packing.stream` itself.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+
+def end_distributed() -> None:
+    """Barrier, garbage collection, then `torch.distributed.destroy_process_group()`; a no-op without a process group.
+
+    Call it on every rank after the last collective (after `trainer.train()`, `trainer.evaluate()` and
+    `trainer.save_model()`), before the script returns::
+
+        trainer.train()
+        trainer.save_model()
+        hf_packing.end_distributed()
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
