@@ -4,7 +4,9 @@ The multi-process tests launch tests/multiproc_sp.py with torchrun in their own 
 hang fails the test instead of hanging CI. Each compares, for Qwen2.5-VL and Qwen3-VL (DeepStack), the loss the
 Trainer would log and every parameter's gradient as DDP / FSDP2 combine them, against SP = 1 on the same packs
 (images and a video; lengths that are and are not multiples of P). The negative controls (positions computed after
-sharding, boundaries dropped) must fail the same comparison.
+sharding, boundaries dropped) must fail the same comparison. Qwen3.5 / Qwen3.5-MoE (Gated DeltaNet layers on head
+shards) are also compared with the unpatched model run sample by sample, on both linear-attention backends (FLA
+through the strict stand-ins); the MoE aux loss (router statistics summed over the SP group) with SP = 1's.
 """
 
 from __future__ import annotations
@@ -85,6 +87,18 @@ def test_kv_heads_are_replicated_only_when_fewer_than_the_group():
         sp_mod.kv_replication(4, 2, 3)
 
 
+def test_linear_key_heads_are_replicated_only_when_fewer_than_the_group():
+    heads = sp_mod.LinearHeads(key_heads=2, key_dim=16, value_heads=4, value_dim=16)  # the tiny Qwen3.5
+    assert [sp_mod.key_replication(heads, p) for p in (1, 2, 4)] == [1, 1, 2]
+    real = sp_mod.LinearHeads(key_heads=16, key_dim=128, value_heads=32, value_dim=128)  # Qwen3.5 / Qwen3-Next
+    assert [sp_mod.key_replication(real, p) for p in (2, 8, 16, 32)] == [1, 1, 1, 2]
+    assert heads.channels() == (32, 32, 64)
+    with pytest.raises(ValueError, match="linear_num_value_heads=4 is not divisible by sequence_parallel_size=8"):
+        sp_mod.key_replication(heads, 8)
+    with pytest.raises(ValueError, match="linear_key_head_dim = 6 is not divisible by sequence_parallel_size=4"):
+        sp_mod.key_replication(sp_mod.LinearHeads(key_heads=2, key_dim=3, value_heads=4, value_dim=4), 4)
+
+
 def test_telemetry_counts_the_padding_sp_adds():
     from hf_packing.telemetry import PackingTelemetry
 
@@ -135,7 +149,13 @@ def launch(tmp_path: Path, nproc: int, timeout: float, **config) -> list[dict]:
     for r in results:
         if "family" in r:
             keys = ("family", "sp", "world", "mode", "control", "lengths", "loss_rel", "grad_rel", "eval_loss_rel")
-            print({k: r[k] for k in keys + ("logits_rel", "pack_patches", "tower_patches_per_rank", "comm_seconds")})
+            extra = {
+                k: r[k] for k in ("linear_backend", "oracle_rel", "aux_rel") if r.get(k) not in (None, 0.0, "auto")
+            }
+            print(
+                {k: r[k] for k in keys + ("logits_rel", "pack_patches", "tower_patches_per_rank", "comm_seconds")},
+                extra,
+            )
         else:
             print(r)
     return results
@@ -217,3 +237,58 @@ def test_trainer_recipe_with_sp2_equals_sp1(tmp_path):
     last = train["2"][-1]
     assert last["packing/tokens_per_s_per_sp_group"] == pytest.approx(last["packing/tokens_per_s"])
     assert 0 < last["packing/sp_all_to_all_share"] < 1 and "packing/sp_padding_tokens" in last
+
+
+# ------------------------------------------------------------------------------------------ Qwen3.5, MoE aux loss
+
+
+def check_linear(result: dict, size: int) -> None:
+    """SP = P equals SP = 1, and the unpatched model run sample by sample (loss, every gradient)."""
+    check_equal(result, size)
+    oracle_loss, oracle_grad = result["oracle_rel"]
+    assert oracle_loss <= LOSS_TOL and oracle_grad <= GRAD_TOL, result
+    if result["linear_backend"] == "fla":  # every linear layer called both stand-ins, in 2 train + 1 eval forwards
+        assert result["fla_calls_sp"] == {"chunk_gated_delta_rule": 3, "causal_conv1d": 3}, result
+
+
+def test_qwen3_5_sp2_equals_sp1_and_each_sample_alone(tmp_path):
+    """2 key / 4 value heads: one of each per rank. Negative controls: on the head shards, the conv window (exact
+    reference) or the recurrent state (FLA stand-ins) not restarted at the pack's boundaries."""
+    runs = [
+        {"family": "qwen3_5", "control": None, "oracle": True},
+        {"family": "qwen3_5_moe", "control": None, "oracle": True},
+        {"family": "qwen3_5", "control": None, "oracle": True, "linear_backend": "fla"},
+        {"family": "qwen3_5", "control": "conv_window"},
+        {"family": "qwen3_5_moe", "control": "recurrent_state", "linear_backend": "fla"},
+    ]
+    results = launch(tmp_path, 2, 300, sp=2, mode="ddp", runs=runs)
+    for result in results[:3]:
+        check_linear(result, 2)
+    for result in results[3:]:  # (the loss of a random tiny model, near ln(vocab) for any input, moves less)
+        assert result["grad_rel"] > 100 * GRAD_TOL and result["logits_rel"] > 100 * GRAD_TOL, result
+
+
+def test_qwen3_5_sp4_equals_sp1_with_replicated_key_heads(tmp_path):
+    """P = 4 > 2 key heads: each key head is replicated twice after the conv (all-gathered q / k channels)."""
+    runs = [
+        {"family": "qwen3_5", "control": None, "oracle": True},
+        {"family": "qwen3_5_moe", "control": None, "oracle": True, "linear_backend": "fla"},
+    ]
+    for result in launch(tmp_path, 4, 300, sp=4, mode="ddp", runs=runs):
+        check_linear(result, 4)
+
+
+def test_moe_aux_loss_sp2_equals_sp1(tmp_path):
+    """output_router_logits on, router_aux_loss_coef 0.01 (the issue's setting): each pack's aux_loss at SP = 2
+    equals SP = 1's, and so do the loss and every gradient. Negative control: the aux loss from each rank's own
+    tokens (transformers' function on the shard), as before."""
+    runs = [
+        {"family": "qwen3_vl_moe", "control": None, "router_aux": 0.01},
+        {"family": "qwen3_5_moe", "control": None, "router_aux": 0.01},
+        {"family": "qwen3_vl_moe", "control": None, "router_aux": 0.01, "aux_per_shard": True},
+    ]
+    *results, per_shard = launch(tmp_path, 2, 300, sp=2, mode="ddp", runs=runs)
+    for result in results:
+        check_equal(result, 2)
+        assert result["aux_rel"] <= 1e-6, result
+    assert per_shard["aux_rel"] > 1e-4 and per_shard["grad_rel"] > 100 * GRAD_TOL, per_shard
