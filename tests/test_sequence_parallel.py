@@ -197,8 +197,13 @@ def test_sp4_equals_sp1_with_replicated_kv_heads(tmp_path):
 
 
 def test_fsdp2_dp2_x_sp2_equals_sp1(tmp_path):
-    """FSDP2 over all 4 ranks (2 data-parallel groups × 2 SP ranks), each group on its own packs."""
-    runs = [{"family": "qwen2_5_vl", "control": None}, {"family": "qwen3_vl", "control": None}]
+    """FSDP2 over all 4 ranks (2 data-parallel groups × 2 SP ranks), each group on its own packs; Qwen3.5 too (the
+    recipes' setup for its long-video config)."""
+    runs = [
+        {"family": "qwen2_5_vl", "control": None},
+        {"family": "qwen3_vl", "control": None},
+        {"family": "qwen3_5", "control": None},
+    ]
     *results, packer = launch(tmp_path, 4, 300, sp=2, mode="fsdp", runs=runs, packer=True)
     for result in results:
         assert result["world"] == 4 and len(result["lengths"]) == 4
@@ -252,11 +257,12 @@ def check_linear(result: dict, size: int) -> None:
 
 
 def test_qwen3_5_sp2_equals_sp1_and_each_sample_alone(tmp_path):
-    """2 key / 4 value heads: one of each per rank. Negative controls: on the head shards, the conv window (exact
-    reference) or the recurrent state (FLA stand-ins) not restarted at the pack's boundaries."""
+    """2 key / 4 value heads: one of each per rank; Qwen3.5-MoE under non-reentrant gradient checkpointing (the
+    backward recomputes the linear layers' all-to-alls). Negative controls: on the head shards, the conv window
+    (exact reference) or the recurrent state (FLA stand-ins) not restarted at the pack's boundaries."""
     runs = [
         {"family": "qwen3_5", "control": None, "oracle": True},
-        {"family": "qwen3_5_moe", "control": None, "oracle": True},
+        {"family": "qwen3_5_moe", "control": None, "oracle": True, "checkpointing": True},
         {"family": "qwen3_5", "control": None, "oracle": True, "linear_backend": "fla"},
         {"family": "qwen3_5", "control": "conv_window"},
         {"family": "qwen3_5_moe", "control": "recurrent_state", "linear_backend": "fla"},
