@@ -99,6 +99,25 @@ def test_linear_key_heads_are_replicated_only_when_fewer_than_the_group():
         sp_mod.key_replication(sp_mod.LinearHeads(key_heads=2, key_dim=3, value_heads=4, value_dim=4), 4)
 
 
+def test_text_model_hook_carries_and_checks_the_linear_head_layout():
+    """The hook hands attention the hybrid model's linear-attention layout, and refuses a size the value heads do
+    not divide before any layer runs."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=16
+    )
+    seqs = PackedSequences.from_seqlens([3, 2])
+    kwargs = lambda: {"inputs_embeds": torch.zeros(1, 5, 8), "position_ids": torch.zeros(3, 1, 5)}  # noqa: E731
+    _, out = sp_mod.text_model_pre_hook(group(1, 2), seqs, "seqs")(SimpleNamespace(config=config), (), kwargs())
+    assert out[sp_mod.SP_KWARG].linear == sp_mod.LinearHeads(2, 16, 4, 16) and out[sp_mod.SP_KWARG].rank == 1
+    assert out["inputs_embeds"].shape == (1, 3, 8) and out["seqs"].cu_seqlens.tolist() == [0, 3, 5, 6]
+    _, dense = sp_mod.text_model_pre_hook(group(0, 2), seqs, "seqs")(SimpleNamespace(config=object()), (), kwargs())
+    assert dense[sp_mod.SP_KWARG].linear is None  # no linear-attention layers: the group as it was
+    with pytest.raises(ValueError, match="linear_num_value_heads=4 is not divisible by sequence_parallel_size=8"):
+        sp_mod.text_model_pre_hook(group(0, 8), seqs, "seqs")(SimpleNamespace(config=config), (), kwargs())
+
+
 def test_telemetry_counts_the_padding_sp_adds():
     from hf_packing.telemetry import PackingTelemetry
 
