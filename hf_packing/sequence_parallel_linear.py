@@ -12,11 +12,11 @@ core and back, with the pack's global (padded) ``cu_seqlens``::
 
 The patch only replaces the two functions transformers' ``Qwen3_5GatedDeltaNet.forward`` calls (`_linear`), so the
 projections, the gate and the output norm stay transformers' code on the sequence shard. Between the two calls
-transformers transposes, splits the channels into q / k / v and reshapes them into heads; no op there mixes
-tokens or channels. So the conv hands back its head-sharded ``(T, c)`` blocks reshaped to the ``(T/P, P·c)`` slots
-transformers expects (the same element count: row ``t`` of a slot holds rows ``t·P … t·P+P-1``), and the delta
-rule reshapes them back, exactly. Per layer and rank: three all-to-alls, ``(T/P)·(C + 2·H_v + H_v·D_v)``
-elements, ``(P-1)/P`` of them over the network.
+transformers transposes, splits the channels into q / k / v and reshapes them into heads (5.17 also repeats the q /
+k heads up to the value heads, undone and redone per rank); no op there mixes tokens or channels. So the conv hands
+back its head-sharded ``(T, c)`` blocks reshaped to the ``(T/P, P·c)`` slots transformers expects (the same element
+count: row ``t`` of a slot holds rows ``t·P … t·P+P-1``), and the delta rule reshapes them back, exactly. Per layer
+and rank: three all-to-alls, ``(T/P)·(C + 2·H_v + H_v·D_v)`` elements, ``(P-1)/P`` of them over the network.
 
 Head counts: the value heads must divide by ``P``; key heads (q and k) that do not (2 key heads at P = 4) are
 replicated ``P / gcd(H_k, P)`` times after the conv, like GQA's KV heads (`key_replication`): the conv runs on an
@@ -110,7 +110,9 @@ def ulysses_gated_delta_rule(
 
     Args:
         q, k (`torch.Tensor` of shape `(1, T/P, H_k, D_k)`), v (`(1, T/P, H_v, D_v)`): transformers' reshape of
-            the conv output, i.e. this rank's head-sharded blocks in their ``(T/P, P·c)`` slots.
+            the conv output, i.e. this rank's head-sharded blocks in their ``(T/P, P·c)`` slots. transformers 5.17
+            repeats each q / k head ``H_v / H_k`` times first (``(1, T/P, H_v, D_k)``): the copies are dropped,
+            and this rank's key heads repeated the same way for the kernel.
         g, beta (`(1, T/P, H_v)`): this rank's tokens, all heads (g in fp32, beta in the hidden dtype).
 
     Returns:
@@ -118,8 +120,13 @@ def ulysses_gated_delta_rule(
     """
     local, value_heads, value_dim = v.shape[1:]
     total = local * sp.size
+    seen = q.shape[2]
+    if seen != sp.linear.key_heads:  # transformers 5.17 repeats q / k heads up to the value heads before the rule
+        q, k = (t.unflatten(2, (sp.linear.key_heads, seen // sp.linear.key_heads))[:, :, :, 0] for t in (q, k))
     qh, kh = _key_heads(q.reshape(total, -1), k.reshape(total, -1), sp)
     vh = v.reshape(total, value_heads // sp.size, value_dim)
+    if seen != sp.linear.key_heads:  # ... so do the same with this rank's heads (its kernels may expect it)
+        qh, kh = (t.repeat_interleave(vh.shape[1] // t.shape[1], dim=1) for t in (qh, kh))
     gates = seq_to_head(torch.stack([g[0], beta[0].to(g.dtype)], dim=-1), sp)  # (T, H_v/P, 2), one all-to-all
     gh, bh = gates[..., 0], gates[..., 1].to(beta.dtype)
     out = rule(qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), gh.unsqueeze(0), bh.unsqueeze(0))

@@ -127,6 +127,8 @@ def run(
     packs = [collate([[samples[i] for i in pack]]) for pack in PACKS[: 2 * world // size]]
     counts = [int((b["labels"][..., 1:] != -100).sum()) for b in packs]
     lengths = [int(b["attention_mask"].sum()) for b in packs]
+    if router_aux is not None:  # asked for in the call too: 5.17's forward has no output_router_logits parameter
+        packs = [b | {"output_router_logits": True} for b in packs]
 
     if oracle:  # the unpatched model, every sample of every pack alone
         alone = copy.deepcopy(model)
