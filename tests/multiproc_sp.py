@@ -12,7 +12,9 @@ boundaries), ``out``. Optional per run: ``"linear_backend"`` (``"fla"``: the str
 tests/kernels.py, for SP = 1 and SP = P), ``"oracle"`` (also compare SP = P with the unpatched model run sample by
 sample), ``"router_aux"`` (MoE: ``output_router_logits`` on with this ``router_aux_loss_coef``; the per-pack
 ``aux_loss`` of SP = P against SP = 1), ``"aux_per_shard"`` (negative control: each rank's aux loss from its own
-tokens, as before the statistics were summed over the SP group).
+tokens, as before the statistics were summed over the SP group), ``"autocast"`` (fp32 weights under bf16 autocast,
+every kernel a strict stand-in (with ``"linear_backend": "fla"``): the errors of SP = 1 and of SP = P against fp32
+SP = 1, for the 2x rule).
 
 Every rank builds the same tiny model and the same packs (images and a video; some lengths not a multiple of P).
 SP group d = rank // P trains packs [2d, 2d+1] as two accumulated micro-batches, the way the Trainer does with
@@ -104,6 +106,7 @@ def run(
     oracle: bool = False,
     router_aux: float | None = None,
     aux_per_shard: bool = False,
+    autocast: bool = False,
 ) -> dict:
     """One comparison (see the module docstring); returns rank 0's numbers, with the worst over ranks."""
     rank, world, size = dist.get_rank(), dist.get_world_size(), config["sp"]
@@ -134,27 +137,46 @@ def run(
         alone = copy.deepcopy(model)
         alone_loss = each_sample_alone(alone, [samples[i] for pack in PACKS[: len(packs)] for i in pack], sum(counts))
 
+    if autocast:  # the fp32 oracle of the 2x rule: SP = 1, exact reference kernels, every pack
+        hf_packing.apply_rmpad(family)
+        exact = copy.deepcopy(model)
+        exact_loss = 0.0
+        for batch in packs:
+            loss = exact(**batch, num_items_in_batch=sum(counts)).loss
+            loss.backward()
+            exact_loss += loss.item()
+
     fla_calls: dict[str, list] = {}
     if linear_backend == "fla":
         from tests.kernels import install_linear_kernels
 
         fla_calls = install_linear_kernels(MONKEYPATCH)
+    attn_backend = "auto"
+    if autocast:  # the recipes' setup: fp32 weights, bf16 autocast, every kernel a strict stand-in
+        from tests.kernels import install_kernel
+
+        install_kernel(MONKEYPATCH, "flash_attn")
+        attn_backend = "flash_attn"
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
 
     # ---- reference: SP = 1, one process, every pack
-    hf_packing.apply_rmpad(family, linear_backend=linear_backend)
+    hf_packing.apply_rmpad(family, linear_backend=linear_backend, attn_backend=attn_backend)
     ref = copy.deepcopy(model)
     ref_loss, ref_aux = 0.0, []
     for batch in packs:
-        out = ref(**batch, num_items_in_batch=sum(counts))
+        with amp:
+            out = ref(**batch, num_items_in_batch=sum(counts))
         out.loss.backward()
         ref_loss += out.loss.item()
         ref_aux.append(out.aux_loss.item() if router_aux is not None else 0.0)
     ref.eval()
-    with torch.no_grad():
+    with torch.no_grad(), amp:
         ref_eval = ref(**packs[2 * group])
 
     # ---- SP = P
-    hf_packing.apply_rmpad(family, sequence_parallel_size=size, linear_backend=linear_backend)
+    hf_packing.apply_rmpad(
+        family, sequence_parallel_size=size, linear_backend=linear_backend, attn_backend=attn_backend
+    )
     ref_calls = {k: len(v) for k, v in fla_calls.items()}
     linear_controls(control)
     if aux_per_shard:  # each rank's aux loss from its own tokens only (transformers' function on the shard)
@@ -194,7 +216,8 @@ def run(
     logged, aux_rel = torch.zeros(()), 0.0
     for batch, aux in zip(mine, ref_aux[2 * group : 2 * group + 2]):
         telemetry.observe(batch["input_ids"], batch)
-        out = trained(**batch, num_items_in_batch=num_items)
+        with amp:
+            out = trained(**batch, num_items_in_batch=num_items)
         loss = out.loss * world  # Trainer: loss *= num_processes
         loss.backward()
         logged += loss.detach()
@@ -203,6 +226,20 @@ def run(
     dist.all_reduce(logged)
     logged /= world  # the Trainer logs the mean over processes of the summed micro-batch losses
     grads = {name: relative(full_grad(p), q.grad) for (name, p), q in zip(model.named_parameters(), ref.parameters())}
+    amp_errors = None
+    if autocast:  # (loss, gradient norm) errors against fp32: SP = 1 under autocast, and SP = P under autocast
+        flat = lambda grads: torch.cat([g.flatten() for g in grads])  # noqa: E731
+        exact_grads = flat(p.grad for p in exact.parameters())
+        amp_errors = {
+            name: [
+                abs(value - exact_loss) / abs(exact_loss),
+                float((flat(g) - exact_grads).norm() / exact_grads.norm()),
+            ]
+            for name, value, g in (
+                ("sp1", ref_loss, (q.grad for q in ref.parameters())),
+                ("sp", float(logged), (full_grad(p) for p in model.parameters())),
+            )
+        }
     oracle_rel = None
     if oracle:  # SP = P directly against the unpatched model run sample by sample: (loss, worst gradient)
         oracle_rel = [
@@ -219,7 +256,7 @@ def run(
     sequence_parallel.COMM_TIMER.enable(False)
     pad = sum(sequence_parallel.padded_length(n, size) - n for n in lengths)
     trained.eval()
-    with torch.no_grad():
+    with torch.no_grad(), amp:
         sp_eval = trained(**packs[2 * group])
     sequence_parallel.shard_position_ids, sequence_parallel.padded_sequences = originals
     MONKEYPATCH.undo()
@@ -253,8 +290,10 @@ def run(
         "eval_count_ok": not bool(worst[2]),
         "aux_rel": float(worst[3]),
         "oracle_rel": oracle_rel,
+        "amp_errors": amp_errors,
         "linear_backend": linear_backend,
         "fla_calls_sp": {k: len(v) - ref_calls[k] for k, v in fla_calls.items()},  # train + eval forwards
+        "fla_dtypes_sp": sorted({str(d) for k, v in fla_calls.items() for d in v[ref_calls[k] :]}),
         "telemetry_tokens_ok": counted["real_tokens"] == sum(lengths),  # every pack once, not once per SP rank
         "telemetry_sp_padding_ok": counted["sp_padding_tokens"] == pad,
         "comm_seconds": counted["comm_seconds"],

@@ -168,9 +168,8 @@ def launch(tmp_path: Path, nproc: int, timeout: float, **config) -> list[dict]:
     for r in results:
         if "family" in r:
             keys = ("family", "sp", "world", "mode", "control", "lengths", "loss_rel", "grad_rel", "eval_loss_rel")
-            extra = {
-                k: r[k] for k in ("linear_backend", "oracle_rel", "aux_rel") if r.get(k) not in (None, 0.0, "auto")
-            }
+            shown = ("linear_backend", "oracle_rel", "aux_rel", "amp_errors")
+            extra = {k: r[k] for k in shown if r.get(k) not in (None, 0.0, "auto")}
             print(
                 {k: r[k] for k in keys + ("logits_rel", "pack_patches", "tower_patches_per_rank", "comm_seconds")},
                 extra,
@@ -277,19 +276,26 @@ def check_linear(result: dict, size: int) -> None:
 
 def test_qwen3_5_sp2_equals_sp1_and_each_sample_alone(tmp_path):
     """2 key / 4 value heads: one of each per rank; Qwen3.5-MoE under non-reentrant gradient checkpointing (the
-    backward recomputes the linear layers' all-to-alls). Negative controls: on the head shards, the conv window
-    (exact reference) or the recurrent state (FLA stand-ins) not restarted at the pack's boundaries."""
+    backward recomputes the linear layers' all-to-alls), and under bf16 autocast. Negative controls: on the head
+    shards, the conv window (exact reference) or the recurrent state (FLA stand-ins) not restarted at the pack's
+    boundaries."""
     runs = [
         {"family": "qwen3_5", "control": None, "oracle": True},
         {"family": "qwen3_5_moe", "control": None, "oracle": True, "checkpointing": True},
         {"family": "qwen3_5", "control": None, "oracle": True, "linear_backend": "fla"},
+        {"family": "qwen3_5_moe", "control": None, "linear_backend": "fla", "autocast": True},
         {"family": "qwen3_5", "control": "conv_window"},
         {"family": "qwen3_5_moe", "control": "recurrent_state", "linear_backend": "fla"},
     ]
     results = launch(tmp_path, 2, 300, sp=2, mode="ddp", runs=runs)
     for result in results[:3]:
         check_linear(result, 2)
-    for result in results[3:]:  # (the loss of a random tiny model, near ln(vocab) for any input, moves less)
+    # fp32 weights + bf16 autocast (the recipes' setup), FLA and flash_attn stand-ins: bf16 reaches the linear
+    # kernels, and SP's error against fp32 is within 2x of SP = 1's under the same autocast
+    amp = results[3]["amp_errors"]
+    assert results[3]["fla_dtypes_sp"] == ["torch.bfloat16"] and results[3]["fla_calls_sp"]["causal_conv1d"] == 3
+    assert amp["sp"][0] <= 2 * amp["sp1"][0] + 1e-3 and amp["sp"][1] <= 2 * amp["sp1"][1], amp
+    for result in results[4:]:  # (the loss of a random tiny model, near ln(vocab) for any input, moves less)
         assert result["grad_rel"] > 100 * GRAD_TOL and result["logits_rel"] > 100 * GRAD_TOL, result
 
 
