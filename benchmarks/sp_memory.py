@@ -19,6 +19,7 @@ tensors). The weights, gradients and process (~0.5 GiB of torch + transformers) 
 delta; the delta also holds the backward's transient buffers, which the model leaves out.
 
     python benchmarks/sp_memory.py                 # SP = 1, 2, 4; writes its section of RESULTS.md
+    python benchmarks/sp_memory.py --family qwen3_5   # Qwen3.5 (Gated DeltaNet layers): its own section
     python benchmarks/sp_memory.py --no-write --tokens 4096
 """
 
@@ -43,6 +44,19 @@ import _common as C  # noqa: E402
 
 TEXT = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2)
 HEAD_DIM = TEXT["hidden_size"] // TEXT["num_attention_heads"]
+#: Qwen3.5: three Gated DeltaNet layers then one full-attention layer (the real 3:1), linear heads 4 key / 8 value
+#: of dim 32 (real 16 / 32 of 128), so P = 4 splits both without replication.
+TEXT_QWEN3_5 = dict(
+    TEXT,
+    num_attention_heads=4,
+    head_dim=64,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+)
+FAMILIES = {"qwen2_5_vl": TEXT, "qwen3_5": TEXT_QWEN3_5}
 SEQUENCES = 16  # the pack holds this many equal sequences
 
 
@@ -66,7 +80,7 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def worker(tokens: int, out: str) -> None:
+def worker(tokens: int, out: str, family: str) -> None:
     """One rank: build the model, run a warm-up step, then measure one forward + backward."""
     import torch
     import torch.distributed as dist
@@ -78,8 +92,9 @@ def worker(tokens: int, out: str) -> None:
     if world > 1:
         dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    hf_packing.apply_rmpad("qwen2_5_vl", sequence_parallel_size=world)
-    model = build_tiny_model("qwen2_5_vl", text_config=TEXT, vision_config={"out_hidden_size": TEXT["hidden_size"]})
+    hf_packing.apply_rmpad(family, sequence_parallel_size=world, linear_backend="reference")
+    text = FAMILIES[family]
+    model = build_tiny_model(family, text_config=text, vision_config={"out_hidden_size": text["hidden_size"]})
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 400, (SEQUENCES, tokens // SEQUENCES), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
@@ -105,10 +120,10 @@ def worker(tokens: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def measure(size: int, tokens: int) -> list[dict]:
+def measure(size: int, tokens: int, family: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "HF_HUB_OFFLINE": "1"}
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, __file__, "--worker", "--tokens", str(tokens), "--out", tmp]
+        cmd = [sys.executable, __file__, "--worker", "--tokens", str(tokens), "--out", tmp, "--family", family]
         if size > 1:
             cmd = [
                 sys.executable,
@@ -127,15 +142,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens in the pack")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_5_vl")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.tokens, args.out)
+        return worker(args.tokens, args.out, args.family)
+    if args.family == "qwen3_5":
+        return main_hybrid(args)
     t_start, rows, base = time.time(), [], None
     for size in args.sizes:
-        ranks = measure(size, args.tokens)
+        ranks = measure(size, args.tokens, args.family)
         worst = max(r["delta"] for r in ranks)
         model = predicted_bytes(args.tokens, size)
         base = base or (worst, model["total"])
@@ -188,6 +206,49 @@ not the absolute number, is what it predicts.
     else:
         C.write_section("sp_memory", body)
         print(body)
+
+
+def main_hybrid(args: argparse.Namespace) -> None:
+    """Qwen3.5 (Gated DeltaNet + full attention): measured only, against 1/SP (the analytic model above counts
+    softmax layers; a linear layer's core runs on T tokens × H/P heads, the same T/P share)."""
+    t_start, rows, base = time.time(), [], None
+    for size in args.sizes:
+        ranks = measure(size, args.tokens, args.family)
+        worst = max(r["delta"] for r in ranks)
+        base = base or worst
+        rows.append(
+            [
+                str(size),
+                f"{worst / 2**20:,.0f}",
+                f"{worst / base:.3f}",
+                f"{1 / size:.3f}",
+                f"{worst / base * size:.2f}",
+                f"{ranks[0]['loss']:.6f}",
+                f"{max(r['s'] for r in ranks):.2f}",
+            ]
+        )
+        print(rows[-1], flush=True)
+    headers = ["SP", "measured peak RSS delta MiB (max rank)", "measured vs SP=1", "1/SP", "× 1/SP", "loss", "step s"]
+    text = TEXT_QWEN3_5
+    body = f"""## Sequence parallelism, Qwen3.5: activation memory per rank (`sp_memory.py --family qwen3_5`)
+
+- Date: {C.today()}; took {time.time() - t_start:.0f} s
+- Versions: {C.versions()}
+- Machine: {C.machine("1 thread per rank, SP ranks as processes (gloo)")}; load average {C.load_average()}
+- Command: `{C.command_line()}`
+- Model: tiny Qwen3.5 text (hidden {text["hidden_size"]}, {text["num_hidden_layers"]} layers: 3 Gated DeltaNet with {text["linear_num_key_heads"]} key / {text["linear_num_value_heads"]} value heads of {text["linear_key_head_dim"]}, then 1 full attention with {text["num_attention_heads"]} heads of {text["head_dim"]}; intermediate {text["intermediate_size"]}), fp32; one text-only pack of {args.tokens:,} tokens in {SEQUENCES} sequences; reference backends (linear layers: transformers' torch fallbacks per sequence, on this rank's heads).
+- Method: as above (peak RSS delta over one forward + backward after a warm-up; weights, gradients and the process in the baseline).
+
+{C.md_table(headers, rows)}
+
+Reading: the measured activation memory per rank is {", ".join(r[2] for r in rows)} of SP=1's at SP={", ".join(r[0] for r in rows)}
+(1/SP: {", ".join(r[3] for r in rows)}): the linear-attention layers' conv and delta rule run on the whole pack but
+only this rank's heads, so they shrink with 1/SP like the softmax layers; the pack's embeddings (before the split)
+do not.
+"""
+    if not args.no_write:
+        C.write_section("sp_memory_qwen3_5", body)
+    print(body)
 
 
 if __name__ == "__main__":

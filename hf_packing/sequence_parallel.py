@@ -36,10 +36,11 @@ and 45: units are indivisible); a rank without a unit encodes a 4-patch dummy im
 all-gather moves ``n_vision_tokens · H · (1 + deepstack layers)`` elements per step, its backward an all-reduce of
 the same size (gloo has no reduce-scatter).
 
-Not covered: Qwen3.5's linear-attention layers (refused: their state runs along the sequence), head counts not
-divisible by ``P`` (refused), and the MoE load-balancing loss, which each rank computes on its own tokens (its
-weights still sum to 1 over ranks, but its value is not the SP = 1 one). ``logits`` / ``hidden_states`` outputs are
-gathered without gradient; the loss is computed on the shards.
+Qwen3.5's linear-attention layers (Gated DeltaNet) swap shardings the same way, around their whole core (the
+causal conv and the gated delta rule, `hf_packing.sequence_parallel_linear`). The MoE load-balancing loss is
+formed from router statistics summed over the SP group (`load_balancing_loss`), so its value and gradient are the
+SP = 1 ones. Not covered: attention head counts not divisible by ``P`` (refused). ``logits`` / ``hidden_states``
+outputs are gathered without gradient; the loss is computed on the shards.
 
 Process groups come from a ``(dp, sp)`` `DeviceMesh` (`init_sequence_parallel`); SP ranks are consecutive global
 ranks (within a node first). accelerate 1.15's ``ParallelismConfig(sp_size=...)`` cannot carry this: its only
@@ -50,6 +51,7 @@ and FSDP2 / DDP from accelerate shard or replicate over the whole world as usual
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -68,6 +70,38 @@ _state: dict[str, Any] = {"mesh": None, "size": 1}
 
 
 @dataclass(frozen=True)
+class LinearHeads:
+    """Head layout of a Gated DeltaNet (linear-attention) layer, from the text config.
+
+    Attributes:
+        key_heads (`int`), key_dim (`int`): ``linear_num_key_heads`` / ``linear_key_head_dim`` (q and k).
+        value_heads (`int`), value_dim (`int`): ``linear_num_value_heads`` / ``linear_value_head_dim``.
+    """
+
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> LinearHeads | None:
+        """The layout of a hybrid text config (Qwen3.5), ``None`` for a config without linear-attention layers."""
+        if getattr(config, "linear_num_value_heads", None) is None:
+            return None
+        return cls(
+            config.linear_num_key_heads,
+            config.linear_key_head_dim,
+            config.linear_num_value_heads,
+            config.linear_value_head_dim,
+        )
+
+    def channels(self) -> tuple[int, int, int]:
+        """Widths of the q, k and v blocks of the layer's conv channels (``mixed_qkv``)."""
+        key = self.key_heads * self.key_dim
+        return key, key, self.value_heads * self.value_dim
+
+
+@dataclass(frozen=True)
 class SPGroup:
     """This rank's sequence-parallel group.
 
@@ -75,11 +109,14 @@ class SPGroup:
         group: the `ProcessGroup` of the ``P`` ranks that share one pack.
         rank (`int`): this rank's index in it (which slice of the pack it holds).
         size (`int`): ``P``.
+        linear (`LinearHeads`, *optional*): the linear-attention head layout of a hybrid model (set by the
+            text-model hook; the conv route needs it to find the q / k / v channel blocks).
     """
 
     group: Any
     rank: int
     size: int
+    linear: LinearHeads | None = None
 
 
 # ----------------------------------------------------------------------------------------------- groups
@@ -226,10 +263,14 @@ def text_model_pre_hook(sp: SPGroup, seqs: PackedSequences, packed_kwarg: str) -
 
     It receives the whole pack (``inputs_embeds (1, T, H)``, ``position_ids (R, 1, T)``, Qwen3-VL's
     ``visual_pos_masks`` / ``deepstack_visual_embeds``) and passes on this rank's slice of each, the padded
-    boundaries, and the `SPGroup` for attention.
+    boundaries, and the `SPGroup` for attention (with the linear-attention head layout of a hybrid model, checked
+    against ``P`` here, before any layer runs).
     """
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        heads = LinearHeads.from_config(module.config)
+        if heads is not None:
+            key_replication(heads, sp.size)
         embeds = kwargs["inputs_embeds"]
         kwargs["inputs_embeds"] = pad_and_shard(embeds, sp, dim=1)
         kwargs["position_ids"] = shard_position_ids(kwargs["position_ids"], sp)
@@ -238,7 +279,7 @@ def text_model_pre_hook(sp: SPGroup, seqs: PackedSequences, packed_kwarg: str) -
                 kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"], sp
             )
         kwargs[packed_kwarg] = padded_sequences(seqs, sp.size)
-        kwargs[SP_KWARG] = sp
+        kwargs[SP_KWARG] = sp if heads is None else dataclasses.replace(sp, linear=heads)
         return args, kwargs
 
     return hook
@@ -338,6 +379,30 @@ def kv_replication(num_q_heads: int, num_kv_heads: int, size: int) -> int:
             f"sequence_parallel_size={size}; choose a size that divides the number of heads"
         )
     return size // math.gcd(num_kv_heads, size)
+
+
+def key_replication(heads: LinearHeads, size: int) -> int:
+    """How many times each linear-attention key head (q and k) is repeated so that each of ``size`` ranks holds
+    whole key heads for its ``H_v / size`` value heads: ``size / gcd(H_k, size)``, as for GQA (`kv_replication`).
+
+    The tiny test model (2 key, 4 value heads): 1 at P = 2, 2 at P = 4. The value heads must divide by ``size``
+    (each rank runs whole recurrences), and the q / k channels too (the conv runs on an even channel split).
+
+    Raises:
+        ValueError: naming ``sequence_parallel_size`` and the head count it must divide.
+    """
+    if heads.value_heads % size:
+        raise ValueError(
+            f"Ulysses sequence parallelism splits the linear-attention heads: linear_num_value_heads="
+            f"{heads.value_heads} is not divisible by sequence_parallel_size={size}; choose a size that divides it"
+        )
+    if (heads.key_heads * heads.key_dim) % size:
+        raise ValueError(
+            f"Ulysses sequence parallelism splits the linear-attention conv channels: linear_num_key_heads × "
+            f"linear_key_head_dim = {heads.key_heads * heads.key_dim} is not divisible by sequence_parallel_size="
+            f"{size}; choose a size that divides it"
+        )
+    return size // math.gcd(heads.key_heads, size)
 
 
 def ulysses_attention(
@@ -489,6 +554,12 @@ def encode_vision_split(
     return result, dummy_term
 
 
+def all_gather_rows(local: torch.Tensor, counts: list[int], sp: SPGroup) -> torch.Tensor:
+    """Every rank's ``(counts[r], C)`` rows in rank order, ``(Σ counts, C)``, with autograd (backward: each rank's
+    rows get the sum of every rank's gradient for them)."""
+    return _GatherRows.apply(local, counts, sp.group, sp.rank)
+
+
 def _rows(items: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
     """``(n, C)`` rows of a tower output field: a tuple per item (concatenated) or already one tensor."""
     return items if isinstance(items, torch.Tensor) else torch.cat(items)
@@ -526,3 +597,61 @@ def sp_loss(
     count = both[1].clamp(min=1)
     share = loss_sum * sp.size / count
     return share + (both[0] / count - share).detach()
+
+
+class _AllReduce(torch.autograd.Function):
+    """Sum over the group; backward: the sum of every rank's gradient (each rank used the same sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        started = COMM_TIMER.start(x.device)
+        dist.all_reduce(out, group=group)
+        COMM_TIMER.stop(started)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        started = COMM_TIMER.start(grad.device)
+        dist.all_reduce(grad, group=ctx.group)
+        COMM_TIMER.stop(started)
+        return grad, None
+
+
+def load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int, sp: SPGroup, total: int
+) -> torch.Tensor:
+    """The MoE load-balancing loss of the whole pack from this rank's slice: transformers'
+    ``load_balancing_loss_func`` with its router statistics summed over the SP group before the loss is formed.
+
+    ``E · Σ_e f_e · p_e``, with ``f_e`` the share of top-k assignments to expert ``e`` and ``p_e`` the mean router
+    probability, over the ``total`` real tokens of every layer (the padding tail is left out). Per shard, the
+    loss of a product of means is not the mean of the shards' losses (the Qwen3-VL-MoE gradients moved by 0.17
+    relative); summed first, the value is the SP = 1 one on every rank. The sum's backward adds every rank's
+    gradient, so with loss weights that sum to the pack's weight over the group (`sp_loss`'s shares) the group's
+    gradient equals SP = 1's.
+
+    Args:
+        router_logits: per MoE layer, ``(T/P, E)`` pre-softmax logits of this rank's tokens.
+        total (`int`): the pack's real token count ``T`` (before SP padding).
+
+    Returns:
+        A scalar fp32 `torch.Tensor`, the same on every rank of the group.
+    """
+    device = router_logits[0].device
+    start, end = shard_range(total, sp)
+    valid = (torch.arange(start, end, device=device) < total).float()
+    counts = torch.zeros(num_experts, device=device)
+    probs = torch.zeros(num_experts, device=device)
+    for layer in router_logits:
+        weights = torch.nn.functional.softmax(layer.to(device), dim=-1)
+        _, selected = torch.topk(weights, top_k, dim=-1)
+        counts = counts.scatter_add(
+            0, selected.reshape(-1), valid.repeat_interleave(top_k, output_size=valid.numel() * top_k)
+        )
+        probs = probs + (weights.float() * valid.unsqueeze(-1)).sum(dim=0)
+    summed = _AllReduce.apply(torch.cat([counts, probs]), sp.group)
+    rows = total * len(router_logits)  # every layer routes every real token once
+    return (summed[:num_experts] / rows * (summed[num_experts:] / rows)).sum() * num_experts

@@ -45,6 +45,7 @@ def test_every_file_is_there():
         "qwen2_5_vl_7b",
         "qwen2_5_vl_7b_long_video",
         "qwen3_vl_8b",
+        "qwen3_5_9b_long_video",
         "tiny_cpu",
     }
     assert {p.stem for p in ACCELERATE_CONFIGS} == set(EXPECTED_TYPES)

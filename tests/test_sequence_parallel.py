@@ -4,7 +4,9 @@ The multi-process tests launch tests/multiproc_sp.py with torchrun in their own 
 hang fails the test instead of hanging CI. Each compares, for Qwen2.5-VL and Qwen3-VL (DeepStack), the loss the
 Trainer would log and every parameter's gradient as DDP / FSDP2 combine them, against SP = 1 on the same packs
 (images and a video; lengths that are and are not multiples of P). The negative controls (positions computed after
-sharding, boundaries dropped) must fail the same comparison.
+sharding, boundaries dropped) must fail the same comparison. Qwen3.5 / Qwen3.5-MoE (Gated DeltaNet layers on head
+shards) are also compared with the unpatched model run sample by sample, on both linear-attention backends (FLA
+through the strict stand-ins); the MoE aux loss (router statistics summed over the SP group) with SP = 1's.
 """
 
 from __future__ import annotations
@@ -85,6 +87,37 @@ def test_kv_heads_are_replicated_only_when_fewer_than_the_group():
         sp_mod.kv_replication(4, 2, 3)
 
 
+def test_linear_key_heads_are_replicated_only_when_fewer_than_the_group():
+    heads = sp_mod.LinearHeads(key_heads=2, key_dim=16, value_heads=4, value_dim=16)  # the tiny Qwen3.5
+    assert [sp_mod.key_replication(heads, p) for p in (1, 2, 4)] == [1, 1, 2]
+    real = sp_mod.LinearHeads(key_heads=16, key_dim=128, value_heads=32, value_dim=128)  # Qwen3.5 / Qwen3-Next
+    assert [sp_mod.key_replication(real, p) for p in (2, 8, 16, 32)] == [1, 1, 1, 2]
+    assert heads.channels() == (32, 32, 64)
+    with pytest.raises(ValueError, match="linear_num_value_heads=4 is not divisible by sequence_parallel_size=8"):
+        sp_mod.key_replication(heads, 8)
+    with pytest.raises(ValueError, match="linear_key_head_dim = 6 is not divisible by sequence_parallel_size=4"):
+        sp_mod.key_replication(sp_mod.LinearHeads(key_heads=2, key_dim=3, value_heads=4, value_dim=4), 4)
+
+
+def test_text_model_hook_carries_and_checks_the_linear_head_layout():
+    """The hook hands attention the hybrid model's linear-attention layout, and refuses a size the value heads do
+    not divide before any layer runs."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=16
+    )
+    seqs = PackedSequences.from_seqlens([3, 2])
+    kwargs = lambda: {"inputs_embeds": torch.zeros(1, 5, 8), "position_ids": torch.zeros(3, 1, 5)}  # noqa: E731
+    _, out = sp_mod.text_model_pre_hook(group(1, 2), seqs, "seqs")(SimpleNamespace(config=config), (), kwargs())
+    assert out[sp_mod.SP_KWARG].linear == sp_mod.LinearHeads(2, 16, 4, 16) and out[sp_mod.SP_KWARG].rank == 1
+    assert out["inputs_embeds"].shape == (1, 3, 8) and out["seqs"].cu_seqlens.tolist() == [0, 3, 5, 6]
+    _, dense = sp_mod.text_model_pre_hook(group(0, 2), seqs, "seqs")(SimpleNamespace(config=object()), (), kwargs())
+    assert dense[sp_mod.SP_KWARG].linear is None  # no linear-attention layers: the group as it was
+    with pytest.raises(ValueError, match="linear_num_value_heads=4 is not divisible by sequence_parallel_size=8"):
+        sp_mod.text_model_pre_hook(group(0, 8), seqs, "seqs")(SimpleNamespace(config=config), (), kwargs())
+
+
 def test_telemetry_counts_the_padding_sp_adds():
     from hf_packing.telemetry import PackingTelemetry
 
@@ -135,7 +168,12 @@ def launch(tmp_path: Path, nproc: int, timeout: float, **config) -> list[dict]:
     for r in results:
         if "family" in r:
             keys = ("family", "sp", "world", "mode", "control", "lengths", "loss_rel", "grad_rel", "eval_loss_rel")
-            print({k: r[k] for k in keys + ("logits_rel", "pack_patches", "tower_patches_per_rank", "comm_seconds")})
+            shown = ("linear_backend", "oracle_rel", "aux_rel", "amp_errors")
+            extra = {k: r[k] for k in shown if r.get(k) not in (None, 0.0, "auto")}
+            print(
+                {k: r[k] for k in keys + ("logits_rel", "pack_patches", "tower_patches_per_rank", "comm_seconds")},
+                extra,
+            )
         else:
             print(r)
     return results
@@ -179,8 +217,13 @@ def test_sp4_equals_sp1_with_replicated_kv_heads(tmp_path):
 
 
 def test_fsdp2_dp2_x_sp2_equals_sp1(tmp_path):
-    """FSDP2 over all 4 ranks (2 data-parallel groups × 2 SP ranks), each group on its own packs."""
-    runs = [{"family": "qwen2_5_vl", "control": None}, {"family": "qwen3_vl", "control": None}]
+    """FSDP2 over all 4 ranks (2 data-parallel groups × 2 SP ranks), each group on its own packs; Qwen3.5 too (the
+    recipes' setup for its long-video config)."""
+    runs = [
+        {"family": "qwen2_5_vl", "control": None},
+        {"family": "qwen3_vl", "control": None},
+        {"family": "qwen3_5", "control": None},
+    ]
     *results, packer = launch(tmp_path, 4, 300, sp=2, mode="fsdp", runs=runs, packer=True)
     for result in results:
         assert result["world"] == 4 and len(result["lengths"]) == 4
@@ -220,3 +263,66 @@ def test_trainer_recipe_with_sp2_equals_sp1(tmp_path):
     last = train["2"][-1]
     assert last["packing/tokens_per_s_per_sp_group"] == pytest.approx(last["packing/tokens_per_s"])
     assert 0 < last["packing/sp_all_to_all_share"] < 1 and "packing/sp_padding_tokens" in last
+
+
+# ------------------------------------------------------------------------------------------ Qwen3.5, MoE aux loss
+
+
+def check_linear(result: dict, size: int) -> None:
+    """SP = P equals SP = 1, and the unpatched model run sample by sample (loss, every gradient)."""
+    check_equal(result, size)
+    oracle_loss, oracle_grad = result["oracle_rel"]
+    assert oracle_loss <= LOSS_TOL and oracle_grad <= GRAD_TOL, result
+    if result["linear_backend"] == "fla":  # every linear layer called both stand-ins, in 2 train + 1 eval forwards
+        assert result["fla_calls_sp"] == {"chunk_gated_delta_rule": 3, "causal_conv1d": 3}, result
+
+
+def test_qwen3_5_sp2_equals_sp1_and_each_sample_alone(tmp_path):
+    """2 key / 4 value heads: one of each per rank; Qwen3.5-MoE under non-reentrant gradient checkpointing (the
+    backward recomputes the linear layers' all-to-alls), and under bf16 autocast. Negative controls: on the head
+    shards, the conv window (exact reference) or the recurrent state (FLA stand-ins) not restarted at the pack's
+    boundaries."""
+    runs = [
+        {"family": "qwen3_5", "control": None, "oracle": True},
+        {"family": "qwen3_5_moe", "control": None, "oracle": True, "checkpointing": True},
+        {"family": "qwen3_5", "control": None, "oracle": True, "linear_backend": "fla"},
+        {"family": "qwen3_5_moe", "control": None, "linear_backend": "fla", "autocast": True},
+        {"family": "qwen3_5", "control": "conv_window"},
+        {"family": "qwen3_5_moe", "control": "recurrent_state", "linear_backend": "fla"},
+    ]
+    results = launch(tmp_path, 2, 300, sp=2, mode="ddp", runs=runs)
+    for result in results[:3]:
+        check_linear(result, 2)
+    # fp32 weights + bf16 autocast (the recipes' setup), FLA and flash_attn stand-ins: bf16 reaches the linear
+    # kernels, and SP's error against fp32 is within 2x of SP = 1's under the same autocast
+    amp = results[3]["amp_errors"]
+    assert results[3]["fla_dtypes_sp"] == ["torch.bfloat16"] and results[3]["fla_calls_sp"]["causal_conv1d"] == 3
+    assert amp["sp"][0] <= 2 * amp["sp1"][0] + 1e-3 and amp["sp"][1] <= 2 * amp["sp1"][1], amp
+    for result in results[4:]:  # (the loss of a random tiny model, near ln(vocab) for any input, moves less)
+        assert result["grad_rel"] > 100 * GRAD_TOL and result["logits_rel"] > 100 * GRAD_TOL, result
+
+
+def test_qwen3_5_sp4_equals_sp1_with_replicated_key_heads(tmp_path):
+    """P = 4 > 2 key heads: each key head is replicated twice after the conv (all-gathered q / k channels)."""
+    runs = [
+        {"family": "qwen3_5", "control": None, "oracle": True},
+        {"family": "qwen3_5_moe", "control": None, "oracle": True, "linear_backend": "fla"},
+    ]
+    for result in launch(tmp_path, 4, 300, sp=4, mode="ddp", runs=runs):
+        check_linear(result, 4)
+
+
+def test_moe_aux_loss_sp2_equals_sp1(tmp_path):
+    """output_router_logits on, router_aux_loss_coef 0.01 (the issue's setting): each pack's aux_loss at SP = 2
+    equals SP = 1's, and so do the loss and every gradient. Negative control: the aux loss from each rank's own
+    tokens (transformers' function on the shard), as before."""
+    runs = [
+        {"family": "qwen3_vl_moe", "control": None, "router_aux": 0.01},
+        {"family": "qwen3_5_moe", "control": None, "router_aux": 0.01},
+        {"family": "qwen3_vl_moe", "control": None, "router_aux": 0.01, "aux_per_shard": True},
+    ]
+    *results, per_shard = launch(tmp_path, 2, 300, sp=2, mode="ddp", runs=runs)
+    for result in results:
+        check_equal(result, 2)
+        assert result["aux_rel"] <= 1e-6, result
+    assert per_shard["aux_rel"] > 1e-4 and per_shard["grad_rel"] > 100 * GRAD_TOL, per_shard

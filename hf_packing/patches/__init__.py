@@ -123,8 +123,8 @@ def apply_rmpad(
             dtype), ``"fla"`` (flash-linear-attention) or ``"reference"`` (exact, per sequence).
         sequence_parallel_size (`int`): split each pack along the sequence over this many consecutive ranks
             (Ulysses; see `hf_packing.sequence_parallel`). The world size must be a multiple of it; ranks of one
-            group must get the same pack (`pack_dataset` does it), and the number of attention heads must be
-            divisible by it. Not for Qwen3.5's linear-attention families.
+            group must get the same pack (`pack_dataset` does it), and the number of attention heads (and of
+            Qwen3.5's linear-attention value heads) must be divisible by it.
 
     The options are bound into the patched functions: applying again with the same options changes nothing,
     with other options it re-patches every applied family with them. Raises at apply time, never at import, for

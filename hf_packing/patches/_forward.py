@@ -221,11 +221,6 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             default = "output_router_logits" in signature.parameters and self.config.text_config.output_router_logits
             model_kwargs["output_router_logits"] = bool(default) if router is None else router
         sp = sequence_parallel_.sp_group(options.sequence_parallel_size)
-        if sp is not None and spec.linear_attention:
-            raise ValueError(
-                f"sequence_parallel_size={sp.size} is not supported for {spec.model_type} (its Gated DeltaNet "
-                "linear-attention layers carry a recurrent state along the sequence); use sequence_parallel_size=1"
-            )
         # evaluation too: FSDP2 / ZeRO-3 all-gather the tower's parameters in every forward, with or without grad
         outputs, dummy = _run_backbone(self, flat, vision, model_kwargs, options.dummy_vision, sp)
         skip_logits = packing["skip_logits"]
@@ -257,7 +252,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             else tuple(flat.repad(_whole(h[0], flat, sp)) for h in hidden_states),
         )
         if spec.moe:
-            fields.update(_moe_fields(self, spec, outputs, loss, ce, num_items_in_batch))
+            fields.update(_moe_fields(self, spec, outputs, loss, ce, num_items_in_batch, sp, flat.indices.numel()))
         result = output_class(**fields)
         if ce is not None:  # plain attributes, not fields: to_tuple() stays what the unpatched model gives
             result.num_supervised_tokens, result.num_correct_tokens = ce.num_supervised, ce.num_correct
@@ -284,7 +279,14 @@ def _keep_logits(logits: torch.Tensor, logits_to_keep: int | torch.Tensor) -> to
 
 
 def _moe_fields(
-    model, spec: FamilySpec, outputs, loss, ce: CrossEntropySum | None, num_items_in_batch
+    model,
+    spec: FamilySpec,
+    outputs,
+    loss,
+    ce: CrossEntropySum | None,
+    num_items_in_batch,
+    sp: SPGroup | None = None,
+    total: int = 0,
 ) -> dict[str, Any]:
     """``aux_loss`` / ``router_logits`` as the unpatched MoE forward returns them, and the aux term in the loss.
 
@@ -293,12 +295,19 @@ def _moe_fields(
     (and multiplies by the number of processes), so the aux term is weighted by this micro-batch's share of
     the supervised tokens, ``n_local / num_items_in_batch``: its weights sum to 1 over micro-batches and ranks,
     like the unpatched ``1 / (steps · ranks)`` (equal to it when micro-batches hold equal token counts).
+    Under sequence parallelism the aux loss is the whole pack's (`sequence_parallel.load_balancing_loss`, over
+    the ``total`` real tokens), and the SP ranks' weights sum to the pack's.
     """
     router_logits = outputs.get("router_logits")
     if not router_logits:
         return {"aux_loss": None, "router_logits": router_logits}
     text = model.config.text_config
-    aux_loss = spec.load().load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok, None)
+    if sp is None:
+        aux_loss = spec.load().load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok, None)
+    else:
+        aux_loss = sequence_parallel_.load_balancing_loss(
+            router_logits, text.num_experts, text.num_experts_per_tok, sp, total
+        )
     if loss is not None:
         weight = text.router_aux_loss_coef
         if num_items_in_batch is not None:

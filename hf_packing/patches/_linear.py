@@ -9,7 +9,9 @@ arguments it got from the decoder layer, which carry the patched forward's `Pack
 The patch replaces those two module attributes with wrappers: a call carrying ``hf_packing_seqs`` runs the
 varlen op of `hf_packing.linear_attention` (state and conv window restart at every boundary); every other call
 (the unpatched forward, generation, other batches) goes to the original function untouched. transformers'
-own fallbacks, unwrapped from their hub-kernel decorator, are the per-sequence reference.
+own fallbacks, unwrapped from their hub-kernel decorator, are the per-sequence reference. A packed call that also
+carries an `~hf_packing.sequence_parallel.SPGroup` (``hf_packing_sp``) holds one slice of the pack: the same op runs
+on this rank's heads over the whole pack, between Ulysses all-to-alls (`hf_packing.sequence_parallel_linear`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Callable
 from types import ModuleType
 
 from .. import linear_attention
+from ..sequence_parallel import SP_KWARG
+from ..sequence_parallel_linear import ulysses_causal_conv1d, ulysses_gated_delta_rule
 from ._attention import PACKED_KWARG
 from ._patcher import Patch
 
@@ -31,11 +35,17 @@ def make_conv_route(original: Callable, backend: str) -> Callable:
     torch_fn = inspect.unwrap(original)
 
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        seqs = kwargs.pop(PACKED_KWARG, None)
+        seqs, sp = kwargs.pop(PACKED_KWARG, None), kwargs.pop(SP_KWARG, None)
         if seqs is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        return linear_attention.causal_conv1d(
-            hidden_states, weight, bias, activation, seqs, backend=backend, torch_fn=torch_fn
+
+        def conv(x, w, b):
+            return linear_attention.causal_conv1d(x, w, b, activation, seqs, backend=backend, torch_fn=torch_fn)
+
+        return (
+            conv(hidden_states, weight, bias)
+            if sp is None
+            else ulysses_causal_conv1d(hidden_states, weight, bias, sp, conv)
         )
 
     causal_conv1d_fn.__wrapped__ = original
@@ -58,7 +68,7 @@ def make_delta_rule_route(original: Callable, backend: str) -> Callable:
         use_qk_l2norm_in_kernel=False,
         **kwargs,
     ):
-        seqs = kwargs.pop(PACKED_KWARG, None)
+        seqs, sp = kwargs.pop(PACKED_KWARG, None), kwargs.pop(SP_KWARG, None)
         if seqs is None:
             return original(
                 query,
@@ -74,10 +84,15 @@ def make_delta_rule_route(original: Callable, backend: str) -> Callable:
             )
         if initial_state is not None or output_final_state:
             raise ValueError("hf_packing runs packed linear attention without a cache (use_cache=False)")
-        out = linear_attention.gated_delta_rule(
-            query, key, value, g, beta, seqs, use_qk_l2norm=use_qk_l2norm_in_kernel, backend=backend, torch_fn=torch_fn
-        )
-        return out, None
+
+        def rule(q, k, v, g, beta):
+            return linear_attention.gated_delta_rule(
+                q, k, v, g, beta, seqs, use_qk_l2norm=use_qk_l2norm_in_kernel, backend=backend, torch_fn=torch_fn
+            )
+
+        if sp is None:
+            return rule(query, key, value, g, beta), None
+        return ulysses_gated_delta_rule(query, key, value, g, beta, sp, rule), None
 
     torch_chunk_gated_delta_rule.__wrapped__ = original
     return torch_chunk_gated_delta_rule
