@@ -216,6 +216,7 @@ def test_sp4_equals_sp1_with_replicated_kv_heads(tmp_path):
         check_equal(result, 4)
 
 
+@pytest.mark.multiproc
 def test_fsdp2_dp2_x_sp2_equals_sp1(tmp_path):
     """FSDP2 over all 4 ranks (2 data-parallel groups × 2 SP ranks), each group on its own packs; Qwen3.5 too (the
     recipes' setup for its long-video config)."""
@@ -277,6 +278,7 @@ def check_linear(result: dict, size: int) -> None:
         assert result["fla_calls_sp"] == {"chunk_gated_delta_rule": 3, "causal_conv1d": 3}, result
 
 
+@pytest.mark.multiproc
 def test_qwen3_5_sp2_equals_sp1_and_each_sample_alone(tmp_path):
     """2 key / 4 value heads: one of each per rank; Qwen3.5-MoE under non-reentrant gradient checkpointing (the
     backward recomputes the linear layers' all-to-alls), and under bf16 autocast. Negative controls: on the head
@@ -302,6 +304,7 @@ def test_qwen3_5_sp2_equals_sp1_and_each_sample_alone(tmp_path):
         assert result["grad_rel"] > 100 * GRAD_TOL and result["logits_rel"] > 100 * GRAD_TOL, result
 
 
+@pytest.mark.multiproc
 def test_qwen3_5_sp4_equals_sp1_with_replicated_key_heads(tmp_path):
     """P = 4 > 2 key heads: each key head is replicated twice after the conv (all-gathered q / k channels)."""
     runs = [
@@ -312,6 +315,7 @@ def test_qwen3_5_sp4_equals_sp1_with_replicated_key_heads(tmp_path):
         check_linear(result, 4)
 
 
+@pytest.mark.multiproc
 def test_moe_aux_loss_sp2_equals_sp1(tmp_path):
     """output_router_logits on, router_aux_loss_coef 0.01 (the issue's setting): each pack's aux_loss at SP = 2
     equals SP = 1's, and so do the loss and every gradient. Negative control: the aux loss from each rank's own
