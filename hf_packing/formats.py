@@ -12,7 +12,8 @@ A source's format is given (`row_format=`) or detected once from its own columns
 or the source's. A row whose tags and media disagree is skipped as `"placeholder_mismatch"`: never trained with a tag
 left as text.
 
-A source that gives no sample over a full pass raises [`NoSamplesError`] with its top skip reasons.
+A source that gives no sample over a full pass raises [`~hf_packing.pack_stats.NoSamplesError`] (see
+[`~hf_packing.pack_stats.check_yield`]) with its top skip reasons.
 """
 
 from __future__ import annotations
@@ -20,19 +21,14 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers.utils import logging
 
 from .images import SampleError
 
-if TYPE_CHECKING:
-    from .stream import PackStats
-
 __all__ = [
     "FORMATS",
-    "NoSamplesError",
-    "check_yield",
     "detect_format",
     "normalize_row",
     "per_source",
@@ -44,10 +40,6 @@ FORMATS = ("auto", "messages", "llava")
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 _TAGS = re.compile(r"(<image>|<video>)")
 logger = logging.get_logger("hf_packing")
-
-
-class NoSamplesError(ValueError):
-    """A source (or the whole stream) gave no sample over a full pass: training would silently train nothing."""
 
 
 # ------------------------------------------------------------------------------------------------ per source
@@ -223,32 +215,3 @@ def row_fps(
             "fps="
         )
     return [None if r is None else float(r) for r in rates]
-
-
-# ------------------------------------------------------------------------------------------------ empty sources
-def check_yield(stats: PackStats, *, groups: int, world: int) -> None:
-    """Raises [`NoSamplesError`] after a full planning pass that kept no sample of a source that had rows, or none at
-    all, or planned packs but no complete group of `world` (every rank would train on nothing).
-
-    `stats` are the planning counters, the same on every replica, so every rank raises at the same point and none
-    waits in a collective.
-    """
-    failed = []
-    for source in stats.sources:
-        rows = stats.rows[source]
-        if stats.kept[source] or (source is not None and not rows):
-            continue
-        skips = Counter({reason: n for (name, reason), n in stats.planning_skips.items() if name == source})
-        why = ", ".join(f"{n} {reason}" for reason, n in skips.most_common(3)) or "it is empty"
-        failed.append(f"{'the dataset' if source is None else f'source {source!r}'} yielded 0 of {rows} rows: {why}")
-    if failed or not sum(stats.kept.values()):
-        raise NoSamplesError(
-            "; ".join(failed or ["no source yielded a sample"]) + ". Check each source's row format, "
-            "media_root / video_root and the README's 'Row formats' (stats() counts every skip)"
-        )
-    if not groups:
-        packs = stats.planned_packs
-        raise NoSamplesError(
-            f"{packs} pack{'s' * (packs != 1)} planned, none for any of world_size={world} ranks "
-            "(a step needs one pack per rank): add data or lower max_length"
-        )

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .data import META_COLUMNS, Preprocessor
-from .sources import _json_decoder
+from .sources import json_decoder
 
 __all__ = ["build_length_index", "index_key", "with_length_index"]
 
@@ -142,7 +142,7 @@ def build_length_index(
     # cache_file None and ds on disk: datasets writes cache-<key>.arrow next to ds's files and reuses it
     with _progress(progress):
         index = ds.with_format("arrow").map(
-            _IndexRows(preprocessor, _json_decoder(ds.features)),
+            _IndexRows(preprocessor, json_decoder(ds.features)),
             batched=True,
             batch_size=256,
             with_indices=True,

@@ -1,15 +1,19 @@
-"""Statistics of a plan: fill, pack sizes, images per pack, and the padded-batch baseline it is compared with."""
+"""Statistics of a plan: fill, pack sizes, images per pack, and the padded-batch baseline it is compared with; and
+[`PackStats`], the counters of one pass of `pack_dataset`."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from .data import REASONS, SkipCounter
 from .planner import IntArray, check_int
 
-__all__ = ["PADDED_BATCH", "pack_stats", "padded_fill_at_batch"]
+__all__ = ["PADDED_BATCH", "NoSamplesError", "PackStats", "check_yield", "pack_stats", "padded_fill_at_batch"]
 
 #: the baseline every fill is compared with: the same samples in padded batches of 8, in input order
 PADDED_BATCH = 8
@@ -85,3 +89,113 @@ def pack_stats(
         "padded_batch_fill": padded,
         "padding_ratio_padded_batches": 1.0 - padded,
     }
+
+
+@dataclasses.dataclass
+class PackStats:
+    """The counters of one pass of one replica (a rank's DataLoader worker), by source and skip reason ([`REASONS`]).
+
+    The planning counters (`rows` to `batch_longest`) are the same on every replica, since each plans every row; the
+    rest is the replica's own yielded work. Every counter is an integer over fixed keys, so the stats travel from
+    DataLoader workers as one row of a shared table, and into `state_dict()`, as [`~PackStats.to_row`].
+    """
+
+    sources: Sequence[str | None]  # the names of a mix; empty or `(None,)` for a single dataset
+    rows: Counter = dataclasses.field(default_factory=Counter)  # source -> rows read
+    kept: Counter = dataclasses.field(default_factory=Counter)  # source -> rows planned
+    planning_skips: SkipCounter = dataclasses.field(default_factory=SkipCounter)  # (source, reason) -> rows
+    planned_packs: int = 0  # for all ranks
+    leftover_packs: int = 0  # the last incomplete group of world_size packs, yielded by no rank
+    leftover_samples: int = 0
+    complete: int = 0
+    padded_tokens: int = 0  # tokens of the kept rows, and the slots their padded batches use: closed ones ...
+    padded_slots: int = 0
+    batch_rows: int = 0  # ... and the open one
+    batch_longest: int = 0
+    packs: int = 0  # yielded by this replica, fillers included
+    samples: Counter = dataclasses.field(default_factory=Counter)  # source -> samples yielded
+    tokens: int = 0
+    images: int = 0
+    videos: int = 0
+    video_tokens: int = 0  # <|video_pad|> tokens of the yielded samples
+    processing_skips: SkipCounter = dataclasses.field(default_factory=SkipCounter)  # reason -> samples
+
+    _YIELDED = ("packs", "samples", "tokens", "images", "videos", "video_tokens", "processing_skips")
+
+    def __post_init__(self) -> None:
+        self.sources = tuple(self.sources) or (None,)
+
+    def add_padded(self, tokens: int) -> None:
+        """Counts a kept row into the padded-batch baseline (integers, so it resumes with the other counters)."""
+        self.padded_tokens += tokens
+        self.batch_rows += 1
+        self.batch_longest = max(self.batch_longest, tokens)
+        if self.batch_rows == PADDED_BATCH:
+            self.padded_slots += PADDED_BATCH * self.batch_longest
+            self.batch_rows = self.batch_longest = 0
+
+    def _layout(self) -> list[tuple[str, Sequence[Any] | None]]:
+        """Each counter and, for a `Counter`, its keys in a fixed order (`None` for an `int`)."""
+        keys = {"planning_skips": [(s, r) for s in self.sources for r in REASONS], "processing_skips": REASONS}
+        return [
+            (f.name, keys.get(f.name, self.sources) if isinstance(getattr(self, f.name), Counter) else None)
+            for f in dataclasses.fields(self)[1:]
+        ]  # [0] is `sources`, the layout itself
+
+    def to_row(self) -> list[int]:
+        row = []
+        for name, keys in self._layout():
+            value = getattr(self, name)
+            row += [value] if keys is None else [value[key] for key in keys]
+        return row
+
+    @classmethod
+    def from_row(cls, sources: Sequence[str | None], row: Sequence[float]) -> PackStats:
+        stats = cls(tuple(sources))
+        values = iter(row)
+        for name, keys in stats._layout():
+            if keys is None:
+                setattr(stats, name, int(next(values)))
+            else:
+                getattr(stats, name).update({key: int(value) for key in keys if (value := next(values))})
+        return stats
+
+    @classmethod
+    def merge(cls, sources: Sequence[str | None], rows: np.ndarray) -> PackStats:
+        """One rank's stats from its replicas' rows (one per row of `rows`): planning counters by max (the same on
+        every replica: the one furthest along), yielded work summed."""
+        yielded = [name in cls._YIELDED for name, keys in cls(sources)._layout() for _ in keys or [None]]
+        return cls.from_row(sources, np.where(yielded, rows.sum(axis=0), rows.max(axis=0)))
+
+
+class NoSamplesError(ValueError):
+    """A source (or the whole stream) gave no sample over a full pass: training would silently train nothing."""
+
+
+# ------------------------------------------------------------------------------------------------ empty sources
+def check_yield(stats: PackStats, *, groups: int, world: int) -> None:
+    """Raises [`NoSamplesError`] after a full planning pass that kept no sample of a source that had rows, or none at
+    all, or planned packs but no complete group of `world` (every rank would train on nothing).
+
+    `stats` are the planning counters, the same on every replica, so every rank raises at the same point and none
+    waits in a collective.
+    """
+    failed = []
+    for source in stats.sources:
+        rows = stats.rows[source]
+        if stats.kept[source] or (source is not None and not rows):
+            continue
+        skips = Counter({reason: n for (name, reason), n in stats.planning_skips.items() if name == source})
+        why = ", ".join(f"{n} {reason}" for reason, n in skips.most_common(3)) or "it is empty"
+        failed.append(f"{'the dataset' if source is None else f'source {source!r}'} yielded 0 of {rows} rows: {why}")
+    if failed or not sum(stats.kept.values()):
+        raise NoSamplesError(
+            "; ".join(failed or ["no source yielded a sample"]) + ". Check each source's row format, "
+            "media_root / video_root and the README's 'Row formats' (stats() counts every skip)"
+        )
+    if not groups:
+        packs = stats.planned_packs
+        raise NoSamplesError(
+            f"{packs} pack{'s' * (packs != 1)} planned, none for any of world_size={world} ranks "
+            "(a step needs one pack per rank): add data or lower max_length"
+        )

@@ -22,7 +22,7 @@ __all__ = ["SOURCE_COLUMN", "IterSource", "MapSource", "make_source"]
 SOURCE_COLUMN = "__hf_packing_source__"
 
 
-def _json_decoder(feature: Any) -> Any:
+def json_decoder(feature: Any) -> Any:
     """A function that parses the `Json`-typed leaves of a row, or None when there are none.
 
     datasets types list items whose keys differ (``{"type": "image"}`` next to ``{"type": "text", "text": ..}``,
@@ -33,10 +33,10 @@ def _json_decoder(feature: Any) -> Any:
     if isinstance(feature, Json):
         return lambda v: json.loads(v) if isinstance(v, str) else v
     if isinstance(feature, (List, LargeList, Sequence)):
-        inner = _json_decoder(feature.feature)
+        inner = json_decoder(feature.feature)
         return None if inner is None else (lambda v: v if v is None else [inner(x) for x in v])
     if isinstance(feature, Mapping):
-        fields = {k: f for k, f in ((k, _json_decoder(f)) for k, f in feature.items()) if f is not None}
+        fields = {k: f for k, f in ((k, json_decoder(f)) for k, f in feature.items()) if f is not None}
         if not fields:
             return None
         return lambda v: v if v is None else {k: (fields[k](x) if k in fields else x) for k, x in v.items()}
@@ -59,7 +59,7 @@ class MapSource:
         self.lazy = set(META_COLUMNS) <= set(ds.column_names)
         keep = [c for c in ds.column_names if c in META_COLUMNS or c == SOURCE_COLUMN]
         self.plan_ds = ds.select_columns(keep).with_format("arrow") if self.lazy else self.ds
-        self.decode = _json_decoder(ds.features)
+        self.decode = json_decoder(ds.features)
 
     def rows(self, state: int | None, epoch: int) -> Iterator[tuple[dict[str, Any], int]]:
         for start in range(state or 0, self.size, 256):
@@ -84,7 +84,7 @@ class IterSource:
         if ds.features is not None:  # images as {"bytes", "path"}: headers are read, pixels only for placed rows
             ds = ds.decode(False)
         self.ds = ds
-        self.decode = _json_decoder(ds.features) if ds.features is not None else None
+        self.decode = json_decoder(ds.features) if ds.features is not None else None
 
     def rows(self, state: dict[str, Any] | None, epoch: int) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
         ds = copy.copy(self.ds)

@@ -58,16 +58,15 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from .balance import WorkCost, schedule
-from .data import REASONS, OverlongError, Preprocessor, SampleError, SampleMeta, SkipCounter
-from .formats import check_yield, per_source, source_formats
+from .data import REASONS, OverlongError, Preprocessor, SampleError, SampleMeta
+from .formats import per_source, source_formats
 from .images import MAX_IMAGE_PIXELS
 from .length_index import with_length_index
 from .loss import IGNORE_INDEX
-from .pack_stats import PADDED_BATCH
+from .pack_stats import PADDED_BATCH, PackStats, check_yield
 from .planner import StreamingPlanner
 from .sources import SOURCE_COLUMN, make_source
 from .video_sampling import per_source_videos_kwargs
@@ -164,83 +163,6 @@ class PackConfig:
             )
             for n in fmt
         }
-
-
-@dataclasses.dataclass
-class PackStats:
-    """The counters of one pass of one replica (a rank's DataLoader worker), by source and skip reason ([`REASONS`]).
-
-    The planning counters (`rows` to `batch_longest`) are the same on every replica, since each plans every row; the
-    rest is the replica's own yielded work. Every counter is an integer over fixed keys, so the stats travel from
-    DataLoader workers as one row of a shared table, and into `state_dict()`, as [`~PackStats.to_row`].
-    """
-
-    sources: Sequence[str | None]  # the names of a mix; empty or `(None,)` for a single dataset
-    rows: Counter = dataclasses.field(default_factory=Counter)  # source -> rows read
-    kept: Counter = dataclasses.field(default_factory=Counter)  # source -> rows planned
-    planning_skips: SkipCounter = dataclasses.field(default_factory=SkipCounter)  # (source, reason) -> rows
-    planned_packs: int = 0  # for all ranks
-    leftover_packs: int = 0  # the last incomplete group of world_size packs, yielded by no rank
-    leftover_samples: int = 0
-    complete: int = 0
-    padded_tokens: int = 0  # tokens of the kept rows, and the slots their padded batches use: closed ones ...
-    padded_slots: int = 0
-    batch_rows: int = 0  # ... and the open one
-    batch_longest: int = 0
-    packs: int = 0  # yielded by this replica, fillers included
-    samples: Counter = dataclasses.field(default_factory=Counter)  # source -> samples yielded
-    tokens: int = 0
-    images: int = 0
-    videos: int = 0
-    video_tokens: int = 0  # <|video_pad|> tokens of the yielded samples
-    processing_skips: SkipCounter = dataclasses.field(default_factory=SkipCounter)  # reason -> samples
-
-    _YIELDED = ("packs", "samples", "tokens", "images", "videos", "video_tokens", "processing_skips")
-
-    def __post_init__(self) -> None:
-        self.sources = tuple(self.sources) or (None,)
-
-    def add_padded(self, tokens: int) -> None:
-        """Counts a kept row into the padded-batch baseline (integers, so it resumes with the other counters)."""
-        self.padded_tokens += tokens
-        self.batch_rows += 1
-        self.batch_longest = max(self.batch_longest, tokens)
-        if self.batch_rows == PADDED_BATCH:
-            self.padded_slots += PADDED_BATCH * self.batch_longest
-            self.batch_rows = self.batch_longest = 0
-
-    def _layout(self) -> list[tuple[str, Sequence[Any] | None]]:
-        """Each counter and, for a `Counter`, its keys in a fixed order (`None` for an `int`)."""
-        keys = {"planning_skips": [(s, r) for s in self.sources for r in REASONS], "processing_skips": REASONS}
-        return [
-            (f.name, keys.get(f.name, self.sources) if isinstance(getattr(self, f.name), Counter) else None)
-            for f in dataclasses.fields(self)[1:]
-        ]  # [0] is `sources`, the layout itself
-
-    def to_row(self) -> list[int]:
-        row = []
-        for name, keys in self._layout():
-            value = getattr(self, name)
-            row += [value] if keys is None else [value[key] for key in keys]
-        return row
-
-    @classmethod
-    def from_row(cls, sources: Sequence[str | None], row: Sequence[float]) -> PackStats:
-        stats = cls(tuple(sources))
-        values = iter(row)
-        for name, keys in stats._layout():
-            if keys is None:
-                setattr(stats, name, int(next(values)))
-            else:
-                getattr(stats, name).update({key: int(value) for key in keys if (value := next(values))})
-        return stats
-
-    @classmethod
-    def merge(cls, sources: Sequence[str | None], rows: np.ndarray) -> PackStats:
-        """One rank's stats from its replicas' rows (one per row of `rows`): planning counters by max (the same on
-        every replica: the one furthest along), yielded work summed."""
-        yielded = [name in cls._YIELDED for name, keys in cls(sources)._layout() for _ in keys or [None]]
-        return cls.from_row(sources, np.where(yielded, rows.sum(axis=0), rows.max(axis=0)))
 
 
 class _Replica:
@@ -887,7 +809,7 @@ def pack_dataset(
         [`PackedDataset`]: a `torch.utils.data.IterableDataset` of packs with `state_dict()`, `load_state_dict()`,
         `stats()`, `count_packs()`, and `len()` once counted. Each sample also carries `index`, its position in the
         (mixed) input stream. A pass in which a source that had rows kept none of them, or no rank got a pack, ends
-        with [`~hf_packing.formats.NoSamplesError`] naming the source and its top skip reasons.
+        with [`~hf_packing.pack_stats.NoSamplesError`] naming the source and its top skip reasons.
 
     Example:
 

@@ -528,7 +528,7 @@ def test_a_mix_of_row_formats_keeps_both_sources(data, tmp_path, streaming):
 
 
 def test_a_stream_that_yields_nothing_is_an_error(data, tmp_path):
-    from hf_packing.formats import NoSamplesError
+    from hf_packing.pack_stats import NoSamplesError
 
     (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
     videos = Dataset.from_list(
