@@ -25,6 +25,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
+from .. import loss as loss_
 from .. import sequence_parallel as sequence_parallel_
 from ..loss import CrossEntropySum, cross_entropy_sum, linear_cross_entropy_sum, reduce_loss, shift_labels_per_sequence
 from ..sequence_parallel import SPGroup
@@ -259,8 +260,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
         if spec.moe:
             fields.update(_moe_fields(self, spec, outputs, loss, ce, num_items_in_batch))
         result = output_class(**fields)
-        if ce is not None:  # plain attributes, not fields: to_tuple() stays what the unpatched model gives
-            result.num_supervised_tokens, result.num_correct_tokens = ce.num_supervised, ce.num_correct
+        loss_.attach_token_counts(result, ce)  # for evaluation: counts and accuracy without logits
         return result
 
     wrapped = can_return_tuple(forward)
