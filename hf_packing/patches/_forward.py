@@ -294,7 +294,14 @@ def _keep_logits(logits: torch.Tensor, logits_to_keep: int | torch.Tensor) -> to
 
 
 def _moe_fields(
-    model, spec: FamilySpec, outputs, loss, ce: CrossEntropySum | None, num_items_in_batch, flat: FlatBatch, sp
+    model,
+    spec: FamilySpec,
+    outputs,
+    loss,
+    ce: CrossEntropySum | None,
+    num_items_in_batch,
+    flat: FlatBatch,
+    sp: SPGroup | None,
 ) -> dict[str, Any]:
     """``aux_loss`` / ``router_logits`` as the unpatched MoE forward returns them, and the aux term in the loss.
 
