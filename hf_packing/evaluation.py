@@ -8,10 +8,12 @@ Training is token-level (``num_items_in_batch``); `token_level_evaluation` makes
 wrapping two methods of the Trainer instance:
 
 - ``compute_loss`` during evaluation: the model gets no ``num_items_in_batch``, so its loss is the batch's own mean;
-  the batch adds ``(loss × n, n, n_correct)`` to on-device sums. ``n`` is the patched forward's
-  ``num_supervised_tokens``, else ``(labels[..., 1:] != -100).sum()`` (transformers' shift); ``n_correct`` (argmax ==
-  target) is the patched forward's ``num_correct_tokens``, computed chunk by chunk inside its loss, else it is read
-  from ``logits``.
+  the batch adds ``(loss × n, n, n_correct)`` to on-device sums. ``n`` and ``n_correct`` (argmax == target, counted
+  chunk by chunk inside the loss) are what the patched forward recorded (`hf_packing.loss.recording_token_counts`),
+  else ``n = (labels[..., 1:] != -100).sum()`` (transformers' shift) and ``n_correct`` is read from ``logits``. They
+  are recorded, not read from the output's ``num_supervised_tokens`` / ``num_correct_tokens`` attributes, because
+  under ``bf16=True`` (accelerate's mixed precision) the output comes back rebuilt by ``convert_outputs_to_fp32``,
+  fields only: the accuracy used to vanish there.
 - ``evaluation_loop`` (under both ``evaluate()`` and ``predict()``): sums the three numbers over processes once at the
   end (one all-reduce), sets ``{prefix}_loss`` to Σ CE / Σ n and adds ``{prefix}_token_accuracy`` = Σ n_correct / Σ n.
 
@@ -27,7 +29,7 @@ is sharded by accelerate, which repeats its first samples to even out the last b
 Memory. Under `hf_packing.apply_rmpad`, when only the loss is needed (``evaluate()`` without ``compute_metrics``,
 or ``prediction_loss_only=True``) the forward gets ``skip_logits=True``: no ``(tokens × vocab)`` logits exist at any
 time beyond one loss chunk, and ``eval_token_accuracy`` comes for free (not under Liger's fused kernel, which never
-exposes logits: then it is left out). With ``compute_metrics`` the forward returns
+exposes logits: then it is left out, with a warning). With ``compute_metrics`` the forward returns
 ``(B, L, vocab)`` logits like the unpatched model, and the Trainer pads them across processes, gathers them and
 keeps every step's until ``eval_accumulation_steps`` moves them to the CPU: ``L × vocab × 4`` bytes per row in fp32
 (an 8,192-token row of a 151,936-token vocabulary: 5.0 GB; in bf16 2.5 GB), times the rows of the whole eval set.
@@ -43,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .loss import IGNORE_INDEX
+from .loss import IGNORE_INDEX, CrossEntropySum, recording_token_counts
 from .patches import is_patched
 from .trainer import base_model, packed_dataset
 
@@ -69,23 +71,31 @@ def _targets(inputs: dict[str, Any]) -> torch.Tensor:
     return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def batch_sums(model: Any, inputs: dict[str, Any], loss: torch.Tensor, outputs: Any) -> torch.Tensor:
+def batch_sums(
+    model: Any, inputs: dict[str, Any], loss: torch.Tensor, outputs: Any, counts: list[CrossEntropySum] | None = None
+) -> torch.Tensor:
     """``[Σ CE, n supervised, n correct, 1 if n correct is unknown]`` of one eval batch, on ``loss``'s device.
 
-    ``loss`` is the batch's mean cross-entropy (no ``num_items_in_batch``), ``outputs`` the model's output.
+    ``loss`` is the batch's mean cross-entropy (no ``num_items_in_batch``), ``outputs`` the model's output,
+    ``counts`` what the patched forward recorded for this batch (`hf_packing.loss.recording_token_counts`): with
+    them, n and n correct are the patched loss's own; without, n is counted from the labels and n correct read from
+    ``logits`` (if there are any).
     """
     device, dtype = loss.device, _sum_dtype(loss.device)
-    n = getattr(outputs, "num_supervised_tokens", None)
-    targets = None
-    if n is None:
+    targets, correct = None, None
+    if counts:
+        n = sum(ce.num_supervised for ce in counts)
+        if all(ce.num_correct is not None for ce in counts):
+            correct = sum(ce.num_correct.to(device) for ce in counts)
+    else:
         targets = _targets(inputs)
         n = (targets != IGNORE_INDEX).sum()
     n = torch.as_tensor(n, dtype=dtype, device=device)
     ce_mean = (loss.detach() - _aux_term(model, outputs)).to(dtype)
-    correct = getattr(outputs, "num_correct_tokens", None)
     logits = getattr(outputs, "logits", None)
     if correct is None and isinstance(logits, torch.Tensor):
         targets = _targets(inputs) if targets is None else targets
+        targets = targets.to(logits.device)
         correct = ((logits.argmax(-1) == targets) & (targets != IGNORE_INDEX)).sum()
     known = correct is not None
     correct = torch.as_tensor(correct if known else 0, dtype=dtype, device=device)
@@ -120,8 +130,9 @@ def token_level_evaluation(trainer: Any) -> Any:
             return original_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if state.loss_only and is_patched(model):
             inputs = {**inputs, "skip_logits": True}
-        loss, outputs = original_loss(model, inputs, return_outputs=True)  # the batch's own mean
-        state.add(batch_sums(model, inputs, loss, outputs))
+        with recording_token_counts() as counts:
+            loss, outputs = original_loss(model, inputs, return_outputs=True)  # the batch's own mean
+        state.add(batch_sums(model, inputs, loss, outputs, counts))
         return (loss, outputs) if return_outputs else loss
 
     def evaluation_loop(dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
@@ -177,3 +188,12 @@ def _report(trainer: Any, total: torch.Tensor | None, metrics: dict[str, float],
         metrics[f"{prefix}_loss"] = ce / n
         if unknown == 0:
             metrics[f"{prefix}_token_accuracy"] = correct / n
+        elif not getattr(trainer, "_hf_packing_warned_accuracy", False):
+            trainer._hf_packing_warned_accuracy = True
+            logger.warning(
+                "%s_token_accuracy is left out: %d eval batch(es) gave neither the patched loss's token counts nor "
+                "logits (Liger's fused loss never exposes logits; apply_rmpad(use_liger=False), or a "
+                "compute_metrics, which makes the forward return logits, brings it back)",
+                prefix,
+                int(unknown),
+            )

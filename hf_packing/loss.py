@@ -13,8 +13,11 @@ difference between ~10 GB of fp32 logits and ~1 GB for one chunk.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +74,35 @@ class CrossEntropySum:
     loss_sum: torch.Tensor
     num_supervised: int
     num_correct: torch.Tensor | None
+
+
+#: The token counts of every patched forward inside `recording_token_counts` (None outside: nothing is kept).
+_RECORDED: ContextVar[list[CrossEntropySum] | None] = ContextVar("hf_packing_token_counts", default=None)
+
+
+@contextmanager
+def recording_token_counts() -> Iterator[list[CrossEntropySum]]:
+    """Collect the `CrossEntropySum` of each patched forward run inside the block (this thread / context only).
+
+    Evaluation reads the counts here, not from the output object: wrappers rebuild the output and drop attributes
+    that are not fields (accelerate's ``convert_outputs_to_fp32`` under ``bf16=True`` / ``mixed_precision: bf16``).
+    """
+    token = _RECORDED.set([])
+    try:
+        yield _RECORDED.get()
+    finally:
+        _RECORDED.reset(token)
+
+
+def attach_token_counts(output: Any, ce: CrossEntropySum | None) -> None:
+    """Give ``output`` the attributes ``num_supervised_tokens`` / ``num_correct_tokens`` (plain attributes, not
+    fields: ``to_tuple()`` stays the unpatched one) and record ``ce`` for an active `recording_token_counts`."""
+    if ce is None:
+        return
+    output.num_supervised_tokens, output.num_correct_tokens = ce.num_supervised, ce.num_correct
+    recorded = _RECORDED.get()
+    if recorded is not None:
+        recorded.append(ce)
 
 
 def liger_can_read_weight(head: torch.nn.Module) -> bool:

@@ -5,8 +5,11 @@
 CONFIG.json (written by the test): ``model`` (a `save_tiny_checkpoint` dir); ``data`` (parquet files, packed by
 `pack_dataset` split by rank, ``leftovers="spread"``); ``lengths`` (the max_lengths the eval set is packed at, each
 evaluated with metric prefix ``eval_<max_length>``); ``keep_eval_packs`` (false: undo `keep_rank_packs` for
-evaluation only, the negative control); ``patched`` (`apply_rmpad` before loading); ``out``, ``output_dir``,
-``pg_timeout``.
+evaluation only, the negative control); ``patched`` (`apply_rmpad` before loading); ``precisions`` (optional, default
+``["fp32"]``: ``"bf16"`` loads bf16 weights, ``"autocast"`` fp32 weights with ``TrainingArguments(bf16=True)``; other
+than fp32 the prefix gets ``_<precision>``); ``loss_only`` (optional: each set is evaluated again without
+``compute_metrics``, prefix ``..._loss_only``, and, with ``"autocast"``, once more without the recorded token counts,
+prefix ``..._control``: the negative control); ``out``, ``output_dir``, ``pg_timeout``.
 
 rank{r}.json: ``evaluated`` {prefix: the sample indices of each eval batch this rank collated}, ``metrics`` {the
 token-level loss and accuracy, and ``label_tokens``: supervised labels compute_metrics received over all ranks}.
@@ -14,6 +17,7 @@ token-level loss and accuracy, and ``label_tokens``: supervised labels compute_m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -29,46 +33,69 @@ def main() -> None:
     from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
     import hf_packing
+    import hf_packing.evaluation
     from hf_packing import VisionCollator, pack_dataset, prepare_trainer
 
-    args = TrainingArguments(
-        output_dir=config["output_dir"],
-        use_cpu=True,
-        per_device_eval_batch_size=1,
-        report_to=[],
-        seed=0,
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        ddp_timeout=int(config["pg_timeout"]),
-        disable_tqdm=True,
-    )
-    rank, world = args.process_index, args.world_size
-    assert world == 2 and torch.distributed.is_initialized(), (world, rank)
     processor = AutoProcessor.from_pretrained(config["model"])
     if config["patched"]:
         hf_packing.apply_rmpad("qwen2_5_vl")
-    model = AutoModelForImageTextToText.from_pretrained(
-        config["model"], dtype=torch.float32, attn_implementation="sdpa"
-    )
-    model.config.use_cache = False
-    collator = RecordingCollator(VisionCollator(processor, model_config=model.config))
 
     def compute_metrics(prediction):
         return {"label_tokens": int((prediction.label_ids != -100).sum())}
 
-    trainer = prepare_trainer(Trainer(model=model, args=args, data_collator=collator, compute_metrics=compute_metrics))
-    if not config["keep_eval_packs"]:
-        trainer.get_eval_dataloader = Trainer.get_eval_dataloader.__get__(trainer)
     evaluated, metrics = {}, {}
-    for max_length in config["lengths"]:
-        ds = load_dataset("parquet", data_files=config["data"], split="train")
-        packs = pack_dataset(
-            ds, processor, max_length=max_length, rank=rank, world_size=world, leftovers="spread", disable_progress=True
+    for precision in config.get("precisions", ["fp32"]):
+        args = TrainingArguments(
+            output_dir=config["output_dir"],
+            use_cpu=True,
+            per_device_eval_batch_size=1,
+            report_to=[],
+            seed=0,
+            remove_unused_columns=False,
+            dataloader_num_workers=0,
+            ddp_timeout=int(config["pg_timeout"]),
+            disable_tqdm=True,
+            bf16=precision == "autocast",
         )
-        prefix, collator.calls = f"eval_{max_length}", []
-        result = trainer.evaluate(eval_dataset=packs, metric_key_prefix=prefix)
-        evaluated[prefix] = [call["indices"] for call in collator.calls]
-        metrics.update({k: v for k, v in result.items() if k.endswith(("_loss", "_token_accuracy", "_label_tokens"))})
+        rank, world = args.process_index, args.world_size
+        assert world == 2 and torch.distributed.is_initialized(), (world, rank)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        model = AutoModelForImageTextToText.from_pretrained(config["model"], dtype=dtype, attn_implementation="sdpa")
+        model.config.use_cache = False
+        collator = RecordingCollator(VisionCollator(processor, model_config=model.config))
+        trainer = prepare_trainer(
+            Trainer(model=model, args=args, data_collator=collator, compute_metrics=compute_metrics)
+        )
+        if not config["keep_eval_packs"]:
+            trainer.get_eval_dataloader = Trainer.get_eval_dataloader.__get__(trainer)
+        modes = (
+            ["", "_loss_only"] + (["_control"] if precision == "autocast" else []) if config.get("loss_only") else [""]
+        )
+        for max_length in config["lengths"]:
+            for mode in modes:
+                ds = load_dataset("parquet", data_files=config["data"], split="train")
+                packs = pack_dataset(
+                    ds,
+                    processor,
+                    max_length=max_length,
+                    rank=rank,
+                    world_size=world,
+                    leftovers="spread",
+                    disable_progress=True,
+                )
+                prefix = f"eval_{max_length}" + ("" if precision == "fp32" else f"_{precision}") + mode
+                collator.calls, trainer.compute_metrics = [], None if mode else compute_metrics
+                recording = hf_packing.evaluation.recording_token_counts
+                if mode == "_control":  # the counts only as output attributes, which autocast's wrapper drops
+                    hf_packing.evaluation.recording_token_counts = contextlib.nullcontext
+                try:
+                    result = trainer.evaluate(eval_dataset=packs, metric_key_prefix=prefix)
+                finally:
+                    hf_packing.evaluation.recording_token_counts = recording
+                evaluated[prefix] = [call["indices"] for call in collator.calls]
+                metrics.update(
+                    {k: v for k, v in result.items() if k.endswith(("_loss", "_token_accuracy", "_label_tokens"))}
+                )
     torch.distributed.barrier()
     out = Path(config["out"])
     out.mkdir(parents=True, exist_ok=True)

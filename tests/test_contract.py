@@ -8,6 +8,7 @@ the documents run one by one, since Qwen2-VL / Qwen2.5-VL's own sdpa path merges
 from __future__ import annotations
 
 import inspect
+import typing
 
 import pytest
 import torch
@@ -146,6 +147,68 @@ def test_moe_output_class_without_router_logits():
     hf_packing.apply_rmpad("qwen3_vl_moe")
     got = model(**batch)
     assert type(got) is type(ref) and got.router_logits is None and got.aux_loss is None
+
+
+MOE_TYPES = [t for t in MODEL_TYPES if t.endswith("_moe")]
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_moe_forward_declares_router_logits_in_its_annotations(model_type):
+    """transformers' ``test_moe_models_record_router_logits`` reads ``forward.__annotations__["return"]`` and wants
+    ``router_logits`` among the output class's fields. The patched forward had a ``__signature__`` but empty
+    ``__annotations__``: "'router_logits' not found in set()". Now: the original annotations plus the packing
+    keywords', resolvable by ``typing.get_type_hints``."""
+    model, _ = model_and_processor(model_type)
+    before = dict(type(model).forward.__annotations__)
+    hf_packing.apply_rmpad(model_type)
+    after = type(model).forward.__annotations__
+    assert {k: after[k] for k in before} == before and list(after)[-1] == "return"
+    fields = set().union(*(getattr(t, "__dataclass_fields__", {}) for t in typing.get_args(after["return"])))
+    assert "router_logits" in fields
+    assert typing.get_type_hints(type(model).forward)["cu_seqlens"] == (torch.Tensor | None)
+
+
+def _router_outputs(model, batch, settings: list[dict]) -> list:
+    with torch.no_grad():
+        outputs = []
+        for setting in settings:
+            config = setting.get("config")
+            model.config.text_config.output_router_logits = bool(config)
+            kwargs = {k: v for k, v in setting.items() if k != "config"}
+            outputs.append(model(**batch, **kwargs))
+        model.config.text_config.output_router_logits = False
+    return outputs
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_moe_router_logits_are_recorded_like_unpatched(model_type, training):
+    """With output_router_logits off (argument or config), on (argument or config) or an explicit False winning
+    over the config: router_logits and aux_loss as the unpatched model records them, one (B·L, experts) tensor per
+    MoE layer, equal at real tokens, zeros at pads. Negative control: another batch's router logits differ."""
+    model, processor = model_and_processor(model_type)
+    model.train(training)
+    batch = processed_batch(processor, conversations(with_video=False)) | {"use_cache": False}
+    settings = [{}, {"output_router_logits": True}, {"config": True}, {"config": True, "output_router_logits": False}]
+    ref = _router_outputs(model, batch, settings)
+    other = _router_outputs(model, processed_batch(processor, conversations(with_video=False)[::-1]), settings[1:2])
+    hf_packing.apply_rmpad(model_type)
+    got = _router_outputs(model, batch, settings)
+    real = batch["attention_mask"].bool().flatten()
+    for setting, theirs, ours in zip(settings, ref, got):
+        on = setting.get("output_router_logits", setting.get("config", False))
+        assert (theirs.router_logits is not None) == on and (ours.router_logits is not None) == on, setting
+        assert ours.aux_loss is None if not on else torch.allclose(ours.aux_loss, theirs.aux_loss, rtol=1e-5)
+        if not on:
+            continue
+        assert len(ours.router_logits) == len(theirs.router_logits) > 0
+        for mine, reference in zip(ours.router_logits, theirs.router_logits):
+            assert mine.shape == reference.shape == (real.numel(), model.config.text_config.num_experts)
+            torch.testing.assert_close(mine[real], reference[real], rtol=1e-4, atol=1e-5)
+            assert (mine[~real] == 0).all()
+    control = (other[0].router_logits[0][real] - ref[1].router_logits[0][real]).abs().max().item()
+    print(f"{model_type}: another batch's router logits differ by {control:.2e}")
+    assert control > 1e-2
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

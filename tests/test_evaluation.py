@@ -5,6 +5,7 @@ The reference is always the unpatched model run on one sample at a time: Σ (mea
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import hf_packing
+import hf_packing.evaluation
 from hf_packing import VisionCollator, pack_dataset, prepare_trainer
 from hf_packing.trainer import keep_rank_packs, no_dispatch
 from tests.conftest import FIXTURES, conversations, load_processor, processed_samples
@@ -74,12 +76,12 @@ def _packs(eval_file: str, processor, max_length: int, rank: int = 0, world_size
     )
 
 
-def _load(tiny_model: Path, *, patched: bool):
+def _load(tiny_model: Path, *, patched: bool, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForImageTextToText
 
     if patched:
         hf_packing.apply_rmpad("qwen2_5_vl")
-    model = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False
     return model
 
@@ -268,6 +270,60 @@ def test_loss_only_evaluation_skips_the_logits_under_the_patch(tmp_path, tiny_mo
     assert _rel(metrics["eval_token_accuracy"], reference["accuracy"]) < REL
 
 
+#: The precision setups the README lists as verified: (weights' dtype, TrainingArguments(bf16=...), i.e. autocast).
+PRECISIONS = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "autocast": (torch.float32, True)}
+
+
+def _plain(tiny_model: Path, processor, eval_file: str, precision: str) -> tuple[float, float, int]:
+    """`_reference` of the unpatched model in ``precision`` (plain PyTorch: bf16 weights, or torch.autocast)."""
+    dtype, autocast = PRECISIONS[precision]
+    samples = [s for pack in _packs(eval_file, processor, max(LENGTHS)) for s in pack]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return _reference(_load(tiny_model, patched=False, dtype=dtype), processor, samples)
+
+
+def within_twice_plain(name: str, fast: float, plain: float, exact: float, n: int) -> bool:
+    """STYLE.md's rule for low precision: |fast - exact| <= 2 |plain - exact|, printed first (an accuracy is a count
+    over ``n`` tokens: both errors are printed in tokens too; a loss passes ``n=1``)."""
+    fast_err, plain_err = abs(fast - exact), abs(plain - exact)
+    unit = "" if n == 1 else f" ({fast_err * n:.1f} / {plain_err * n:.1f} tokens)"
+    print(
+        f"{name}: fast {fast:.6f}, plain {plain:.6f}, fp32 {exact:.6f}; "
+        f"error fast {fast_err:.2e}, plain {plain_err:.2e}{unit}"
+    )
+    return fast_err <= 2 * plain_err + 1e-12
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_token_accuracy_in_every_precision(tmp_path, tiny_model, processor, eval_file, reference, precision):
+    """evaluate() reports eval_token_accuracy with fp32 weights, bf16 weights and fp32 + bf16 autocast
+    (``bf16=True``), with and without compute_metrics: fp32 equal to the unpatched model's argmax accuracy sample by
+    sample, low precision within 2x the plain (unpatched, same precision) error. Under autocast it used to vanish:
+    accelerate's ``convert_outputs_to_fp32`` rebuilds the output and drops the patched forward's count attributes.
+    Negative control: reading the counts from the output alone (no recording) loses the metric under autocast."""
+    dtype, autocast = PRECISIONS[precision]
+    packs = _packs(eval_file, processor, LENGTHS[0])
+    model = _load(tiny_model, patched=True, dtype=dtype)
+    plain = _plain(tiny_model, processor, eval_file, precision) if precision != "fp32" else None
+    for metrics_fn in (None, lambda p: {}):
+        name = f"{precision}, {'with' if metrics_fn else 'without'} compute_metrics"
+        kwargs = dict(eval_dataset=packs, bf16=autocast, compute_metrics=metrics_fn)
+        metrics = _trainer(tmp_path, model, processor, **kwargs).evaluate()
+        assert "eval_token_accuracy" in metrics, name
+        accuracy, exact = metrics["eval_token_accuracy"], reference["accuracy"]
+        if plain is None:
+            print(f"{name}: {accuracy:.6f} (unpatched fp32 {exact:.6f}, {reference['n']} tokens)")
+            assert accuracy == exact
+        else:
+            assert within_twice_plain(name, accuracy, plain[1], exact, reference["n"])
+            assert within_twice_plain(f"{name}, eval_loss", metrics["eval_loss"], plain[0], reference["loss"], 1)
+    if autocast:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(hf_packing.evaluation, "recording_token_counts", contextlib.nullcontext)
+            control = _trainer(tmp_path, model, processor, eval_dataset=packs, bf16=True).evaluate()
+        assert "eval_token_accuracy" not in control
+
+
 @pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
 def test_moe_eval_loss_is_the_cross_entropy_without_the_router_aux_loss(tmp_path, patched):
     """Qwen3-VL-MoE with output_router_logits: its loss adds router_aux_loss_coef · aux_loss; eval_loss does not.
@@ -366,3 +422,39 @@ def test_two_processes_evaluate_every_pack_once_and_match_one_process(
     key = f"eval_{LENGTHS[0]}"
     assert _evaluated(runs[False], key) != reference["indices"] and broken[f"{key}_label_tokens"] < reference["n"]
     assert _rel(broken[f"{key}_loss"], reference["loss"]) > REL
+
+
+@pytest.mark.multiproc
+def test_two_processes_report_token_accuracy_in_every_precision(tmp_path, tiny_model, processor, eval_file, reference):
+    """2 gloo processes, fp32 / bf16 weights / fp32 + bf16 autocast, with and without compute_metrics: both ranks
+    report the same eval_token_accuracy, fp32 equal to the unpatched model sample by sample, low precision within 2x
+    the plain error. Negative control: under autocast without the recorded counts the metric is missing."""
+    proc, results, seconds = launch(
+        tmp_path,
+        300,
+        helper=HELPER,
+        model=str(tiny_model),
+        data=[eval_file],
+        lengths=[LENGTHS[0]],
+        keep_eval_packs=True,
+        patched=True,
+        precisions=list(PRECISIONS),
+        loss_only=True,
+    )
+    check_ok(proc, results, seconds, "2-process evaluation in 3 precisions")
+    (r0, r1), n = results, reference["n"]
+    assert r0["metrics"] == r1["metrics"]
+    for precision in PRECISIONS:
+        plain = _plain(tiny_model, processor, eval_file, precision) if precision != "fp32" else None
+        for mode in ("", "_loss_only"):
+            key = f"eval_{LENGTHS[0]}" + ("" if precision == "fp32" else f"_{precision}") + mode
+            assert _evaluated(results, key) == reference["indices"]
+            accuracy = r0["metrics"][f"{key}_token_accuracy"]
+            if plain is None:
+                print(f"{key}: {accuracy:.6f} (unpatched fp32 {reference['accuracy']:.6f}, {n} tokens)")
+                assert accuracy == reference["accuracy"]
+            else:
+                assert within_twice_plain(key, accuracy, plain[1], reference["accuracy"], n)
+                assert within_twice_plain(f"{key}_loss", r0["metrics"][f"{key}_loss"], plain[0], reference["loss"], 1)
+    control = f"eval_{LENGTHS[0]}_autocast_control"
+    assert f"{control}_loss" in r0["metrics"] and f"{control}_token_accuracy" not in r0["metrics"]

@@ -234,8 +234,10 @@ def _write_data(root: Path) -> Path:
     return path
 
 
-def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch):
-    """tiny_cpu: 2 training steps on 12 rows, each followed by an evaluation on the 4 rows held out."""
+@pytest.mark.parametrize("precision", [[], ["--bf16", "true"]], ids=["fp32", "fp32+bf16_autocast"])
+def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch, precision):
+    """tiny_cpu: 2 training steps on 12 rows, each followed by an evaluation on the 4 rows held out; with ``--bf16
+    true`` (the recipes' GPU setup) too, where eval_token_accuracy used to be missing."""
     try:
         from hf_packing.stream import pack_dataset  # noqa: F401
     except ImportError as error:
@@ -257,6 +259,7 @@ def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch):
             str(tmp_path / "data" / "images"),
             "--output_dir",
             str(tmp_path / "out"),
+            *precision,
         ]
     )
     assert trainer.state.global_step == 2

@@ -25,6 +25,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
+from .. import loss as loss_
 from .. import sequence_parallel as sequence_parallel_
 from ..loss import CrossEntropySum, cross_entropy_sum, linear_cross_entropy_sum, reduce_loss, shift_labels_per_sequence
 from ..sequence_parallel import SPGroup
@@ -37,9 +38,9 @@ from ._vision import tower_calls
 HF_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 #: keywords the patched forward adds to the original signature (so the Trainer keeps these batch columns).
 PACKING_PARAMETERS = (
-    inspect.Parameter("cu_seqlens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="torch.Tensor | None"),
-    inspect.Parameter("max_seqlen", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None"),
-    inspect.Parameter("skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="bool | None"),
+    inspect.Parameter("cu_seqlens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=torch.Tensor | None),
+    inspect.Parameter("max_seqlen", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None),
+    inspect.Parameter("skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=bool | None),
 )
 
 
@@ -75,6 +76,15 @@ def patched_signature(original: Callable) -> inspect.Signature:
     head = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
     taken = {p.name for p in head}
     return signature.replace(parameters=head + [p for p in PACKING_PARAMETERS if p.name not in taken] + tail)
+
+
+def signature_annotations(signature: inspect.Signature) -> dict[str, Any]:
+    """``__annotations__`` matching ``signature``: what ``typing.get_type_hints`` and code that reads
+    ``forward.__annotations__`` directly (transformers' own tests read the return type's fields there) expect."""
+    annotations = {name: p.annotation for name, p in signature.parameters.items() if p.annotation is not p.empty}
+    if signature.return_annotation is not signature.empty:
+        annotations["return"] = signature.return_annotation
+    return annotations
 
 
 def _resolve_use_cache(model, use_cache: bool | None) -> bool:
@@ -252,14 +262,14 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             else tuple(flat.repad(_whole(h[0], flat, sp)) for h in hidden_states),
         )
         if spec.moe:
-            fields.update(_moe_fields(self, spec, outputs, loss, ce, num_items_in_batch, sp, flat.indices.numel()))
+            fields.update(_moe_fields(self, spec, outputs, loss, ce, num_items_in_batch, flat, sp))
         result = output_class(**fields)
-        if ce is not None:  # plain attributes, not fields: to_tuple() stays what the unpatched model gives
-            result.num_supervised_tokens, result.num_correct_tokens = ce.num_supervised, ce.num_correct
+        loss_.attach_token_counts(result, ce)  # for evaluation: counts and accuracy without logits
         return result
 
     wrapped = can_return_tuple(forward)
     wrapped.__signature__ = patched_signature(original)
+    wrapped.__annotations__ = signature_annotations(wrapped.__signature__)
     wrapped.__doc__ = (original.__doc__ or "") + "\n\n(hf_packing: padding-free path; see hf_packing.apply_rmpad)"
     wrapped.__name__, wrapped.__qualname__ = original.__name__, original.__qualname__
     del wrapped.__wrapped__  # inspect must read __signature__, tools must not unwrap to the inner function
@@ -285,10 +295,14 @@ def _moe_fields(
     loss,
     ce: CrossEntropySum | None,
     num_items_in_batch,
-    sp: SPGroup | None = None,
-    total: int = 0,
+    flat: FlatBatch,
+    sp: SPGroup | None,
 ) -> dict[str, Any]:
     """``aux_loss`` / ``router_logits`` as the unpatched MoE forward returns them, and the aux term in the loss.
+
+    ``router_logits``: one ``(B·L, num_experts)`` tensor per MoE layer, as transformers records them on the caller's
+    rows, zeros at padded positions (like ``logits``); the aux loss is computed on the real tokens alone, as the
+    unpatched one with its attention mask.
 
     The unpatched loss is ``CE_mean + coef · aux`` per micro-batch, which the Trainer divides by the
     accumulation steps and DDP averages over ranks. With ``num_items_in_batch`` the Trainer does neither
@@ -296,7 +310,7 @@ def _moe_fields(
     the supervised tokens, ``n_local / num_items_in_batch``: its weights sum to 1 over micro-batches and ranks,
     like the unpatched ``1 / (steps · ranks)`` (equal to it when micro-batches hold equal token counts).
     Under sequence parallelism the aux loss is the whole pack's (`sequence_parallel.load_balancing_loss`, over
-    the ``total`` real tokens), and the SP ranks' weights sum to the pack's.
+    the pack's real tokens), and the SP ranks' weights sum to the pack's.
     """
     router_logits = outputs.get("router_logits")
     if not router_logits:
@@ -306,11 +320,12 @@ def _moe_fields(
         aux_loss = spec.load().load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok, None)
     else:
         aux_loss = sequence_parallel_.load_balancing_loss(
-            router_logits, text.num_experts, text.num_experts_per_tok, sp, total
+            router_logits, text.num_experts, text.num_experts_per_tok, sp, flat.indices.numel()
         )
     if loss is not None:
         weight = text.router_aux_loss_coef
         if num_items_in_batch is not None:
             weight = weight * reduce_loss(loss.new_tensor(float(ce.num_supervised)), 0, num_items_in_batch)
         loss = loss + weight * aux_loss.to(loss.device)
-    return {"loss": loss, "aux_loss": aux_loss, "router_logits": router_logits}
+    repadded = tuple(flat.repad(_whole(r, flat, sp)).flatten(0, 1) for r in router_logits)
+    return {"loss": loss, "aux_loss": aux_loss, "router_logits": repadded}
