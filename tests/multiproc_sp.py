@@ -182,9 +182,7 @@ def run(
     ref_calls = {k: len(v) for k, v in fla_calls.items()}
     linear_controls(control)
     if aux_per_shard:  # each rank's aux loss from its own tokens only (transformers' function on the shard)
-        from hf_packing.patches import _forward
-
-        MONKEYPATCH.setattr(_forward, "_moe_fields", _per_shard_aux(_forward._moe_fields))
+        MONKEYPATCH.setattr(sequence_parallel, "load_balancing_loss", _per_shard_aux)
     originals = sequence_parallel.shard_position_ids, sequence_parallel.padded_sequences
     if control == "positions":
         sequence_parallel.shard_position_ids = lambda pos, sp: torch.arange(
@@ -307,13 +305,12 @@ def run(
     }
 
 
-def _per_shard_aux(moe_fields):
-    """`_moe_fields` that forms the aux loss from this rank's shard alone (the negative control)."""
+def _per_shard_aux(router_logits, num_experts: int, top_k: int, sp, total: int):
+    """`sequence_parallel.load_balancing_loss` as it was before (the negative control): transformers' function on this
+    rank's shard alone, its router statistics never summed over the SP group."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
 
-    def fields(model, spec, outputs, loss, ce, num_items_in_batch, sp=None, total=0):
-        return moe_fields(model, spec, outputs, loss, ce, num_items_in_batch)
-
-    return fields
+    return load_balancing_loss_func(router_logits, num_experts, top_k, None)
 
 
 def packer_groups(size: int) -> dict:
