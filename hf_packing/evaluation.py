@@ -47,7 +47,7 @@ import torch
 
 from .loss import IGNORE_INDEX, CrossEntropySum, recording_token_counts
 from .patches import is_patched
-from .trainer import base_model, packed_dataset
+from .unwrap import base_model, packed_dataset
 
 logger = logging.getLogger("hf_packing")
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+from .unwrap import packed_dataset
 
 
 def keep_rank_packs(trainer: Any) -> Any:
@@ -54,24 +54,6 @@ def _unsharded(get_dataloader: Callable[..., Any]) -> Callable[..., Any]:
         return loader
 
     return wrapped
-
-
-def packed_dataset(loader: Any) -> Any:
-    """The `PackedDataset` a DataLoader iterates (directly or in accelerate's ``IterableDatasetShard``), else None."""
-    from accelerate.data_loader import IterableDatasetShard
-
-    from .stream import PackedDataset
-
-    dataset = getattr(loader, "dataset", None)
-    dataset = dataset.dataset if isinstance(dataset, IterableDatasetShard) else dataset
-    return dataset if isinstance(dataset, PackedDataset) else None
-
-
-def base_model(model: Any) -> Any:
-    """The model under DDP / FSDP (``.module``) and PEFT (``get_base_model()``) wrappers."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def reload_checkpoints_with_key_conversion(trainer: Any) -> Any:
