@@ -135,3 +135,13 @@ def pyav() -> ModuleType | None:
         return importlib.import_module("av")
     except Exception:
         return None
+
+
+def require_extra(extra: str, *modules: str, purpose: str) -> None:
+    """Raises `ImportError` naming ``pip install 'hf_packing[extra]'`` when one of `modules` is not installed.
+
+    For work that would otherwise run for minutes and only then fail (the demo trains before it draws).
+    """
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"{purpose} needs {', '.join(missing)}: pip install 'hf_packing[{extra}]'")

@@ -65,6 +65,9 @@ def load_any_dataset(path: str):
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo; returns the summary dict it prints."""
+    from .._compat import require_extra
+
+    require_extra("cli", "matplotlib", purpose="hf-packing demo (it draws packs.png and loss.png after training)")
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 

@@ -46,6 +46,10 @@ def run_stats(args: argparse.Namespace) -> dict[str, dict]:
     """Print a table per strategy and write the fill/length histogram; returns the per-strategy stats."""
     from transformers import AutoProcessor
 
+    from .._compat import require_extra
+
+    require_extra("cli", "matplotlib", purpose="hf-packing stats (it draws the fill/length histogram)")
+
     from .demo import load_any_dataset
     from .plots import plot_stats
 
