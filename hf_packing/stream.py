@@ -47,6 +47,7 @@ ms of CPU per row estimated, ~26 ms per sample processed); a `datasets.Dataset` 
 from __future__ import annotations
 
 import atexit
+import copy
 import dataclasses
 import logging
 import os
@@ -438,6 +439,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         self._state: dict[str, Any] | None = None  # after the last pack yielded, or where this iteration started
         self._len: int | None = None
         self._epoch = 0
+        self._eval_view: PackedDataset | None = None  # `for_evaluation`'s view, made on first use
 
     def _indexed(self, ds: Any, preprocessor: Preprocessor) -> Any:
         """`ds` with its length index (a `datasets.Dataset` under `length_index="auto"`, `True` or a directory), built
@@ -481,7 +483,23 @@ class PackedDataset(torch.utils.data.IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         self._rank_world()  # resolve in the main process: a spawned DataLoader worker has no process group
-        return {**self.__dict__, "_state": None}
+        return {**self.__dict__, "_state": None, "_eval_view": None}
+
+    def for_evaluation(self) -> PackedDataset:
+        """This stream as an eval set: the same packs, with its last incomplete group of ranks' packs spread one per
+        rank (``leftovers="spread"``), so every sample is evaluated exactly once on any number of processes. It has its
+        own counters and position, so evaluating the training set leaves the training state alone. Itself when it
+        already spreads; the same view on every call otherwise (`hf_packing.prepare_trainer` evaluates through it).
+        """
+        if self.cfg.leftovers == "spread":
+            return self
+        if getattr(self, "_eval_view", None) is None:
+            view = copy.copy(self)
+            view.cfg = dataclasses.replace(self.cfg, leftovers="spread")
+            view._shared = torch.zeros_like(self._shared).share_memory_()
+            view._next_start = view._state = view._len = view._eval_view = None
+            self._eval_view = view
+        return self._eval_view
 
     def _config(self) -> dict[str, Any]:
         return {

@@ -3,13 +3,18 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/multiproc_eval.py CONFIG.json
 
 CONFIG.json (written by the test): ``model`` (a `save_tiny_checkpoint` dir); ``data`` (parquet files, packed by
-`pack_dataset` split by rank, ``leftovers="spread"``); ``lengths`` (the max_lengths the eval set is packed at, each
+`pack_dataset` split by rank, ``leftovers="spread"`` unless ``default_leftovers``);
+``lengths`` (the max_lengths the eval set is packed at, each
 evaluated with metric prefix ``eval_<max_length>``); ``keep_eval_packs`` (false: undo `keep_rank_packs` for
 evaluation only, the negative control); ``patched`` (`apply_rmpad` before loading); ``precisions`` (optional, default
 ``["fp32"]``: ``"bf16"`` loads bf16 weights, ``"autocast"`` fp32 weights with ``TrainingArguments(bf16=True)``; other
 than fp32 the prefix gets ``_<precision>``); ``loss_only`` (optional: each set is evaluated again without
 ``compute_metrics``, prefix ``..._loss_only``, and, with ``"autocast"``, once more without the recorded token counts,
-prefix ``..._control``: the negative control); ``out``, ``output_dir``, ``pg_timeout``.
+prefix ``..._control``: the negative control); ``default_leftovers`` (optional: pack with `pack_dataset`'s defaults,
+training's ``leftovers="drop"``, and evaluate each set twice: passed to ``evaluate()``, then as the Trainer's own
+``eval_dataset`` that is also its ``train_dataset``, prefix ``..._as_train``); ``no_eval_view`` (optional: evaluate
+the packs as they are, without `PackedDataset.for_evaluation`, the negative control); ``out``, ``output_dir``,
+``pg_timeout``.
 
 rank{r}.json: ``evaluated`` {prefix: the sample indices of each eval batch this rank collated}, ``metrics`` {the
 token-level loss and accuracy, and ``label_tokens``: supervised labels compute_metrics received over all ranks}.
@@ -39,6 +44,8 @@ def main() -> None:
     processor = AutoProcessor.from_pretrained(config["model"])
     if config["patched"]:
         hf_packing.apply_rmpad("qwen2_5_vl")
+    if config.get("no_eval_view"):
+        hf_packing.stream.PackedDataset.for_evaluation = lambda self: self
 
     def compute_metrics(prediction):
         return {"label_tokens": int((prediction.label_ids != -100).sum())}
@@ -71,6 +78,8 @@ def main() -> None:
         modes = (
             ["", "_loss_only"] + (["_control"] if precision == "autocast" else []) if config.get("loss_only") else [""]
         )
+        if config.get("default_leftovers"):
+            modes = ["", "_as_train"]
         for max_length in config["lengths"]:
             for mode in modes:
                 ds = load_dataset("parquet", data_files=config["data"], split="train")
@@ -80,8 +89,8 @@ def main() -> None:
                     max_length=max_length,
                     rank=rank,
                     world_size=world,
-                    leftovers="spread",
                     disable_progress=True,
+                    **({} if config.get("default_leftovers") else {"leftovers": "spread"}),
                 )
                 prefix = f"eval_{max_length}" + ("" if precision == "fp32" else f"_{precision}") + mode
                 collator.calls, trainer.compute_metrics = [], None if mode else compute_metrics
@@ -89,7 +98,11 @@ def main() -> None:
                 if mode == "_control":  # the counts only as output attributes, which autocast's wrapper drops
                     hf_packing.evaluation.recording_token_counts = contextlib.nullcontext
                 try:
-                    result = trainer.evaluate(eval_dataset=packs, metric_key_prefix=prefix)
+                    if mode == "_as_train":  # one object as both sets: evaluate() with no argument
+                        trainer.train_dataset = trainer.eval_dataset = packs
+                        result = trainer.evaluate(metric_key_prefix=prefix)
+                    else:
+                        result = trainer.evaluate(eval_dataset=packs, metric_key_prefix=prefix)
                 finally:
                     hf_packing.evaluation.recording_token_counts = recording
                 evaluated[prefix] = [call["indices"] for call in collator.calls]

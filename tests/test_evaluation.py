@@ -425,6 +425,44 @@ def test_two_processes_evaluate_every_pack_once_and_match_one_process(
 
 
 @pytest.mark.multiproc
+def test_two_processes_evaluate_default_packs_exactly_once(tmp_path, tiny_model, eval_file, reference):
+    """2 gloo processes, the eval set packed with `pack_dataset`'s defaults (training's ``leftovers="drop"``), passed
+    to ``evaluate()`` and as the Trainer's own eval set that is also its training set: `prepare_trainer` evaluates
+    through `PackedDataset.for_evaluation`, so every sample is evaluated once and eval_loss equals the one-process
+    token-level mean. Negative control: without the view the last pack (7 packs of 256 tokens over 2 ranks) is left
+    out and eval_loss moves."""
+    runs = {}
+    for view in (True, False):
+        proc, results, seconds = launch(
+            tmp_path / f"view{view}",
+            240,
+            helper=HELPER,
+            model=str(tiny_model),
+            data=[eval_file],
+            lengths=[LENGTHS[0]],
+            keep_eval_packs=True,
+            patched=True,
+            default_leftovers=True,
+            no_eval_view=not view,
+        )
+        check_ok(proc, results, seconds, f"2-process evaluation of default packs, view={view}")
+        runs[view] = results
+    for key in (f"eval_{LENGTHS[0]}", f"eval_{LENGTHS[0]}_as_train"):
+        (r0, r1), broken = runs[True], runs[False][0]["metrics"]
+        loss = r0["metrics"][f"{key}_loss"]
+        unviewed = len(_evaluated(runs[False], key))
+        print(
+            f"{key}: eval_loss {loss:.6f} (reference {reference['loss']:.6f}, rel {_rel(loss, reference['loss']):.1e});"
+            f" without the view {unviewed} of 12 samples, eval_loss {broken[f'{key}_loss']:.6f}"
+        )
+        assert _evaluated(runs[True], key) == reference["indices"]
+        assert r0["metrics"] == r1["metrics"]
+        assert _rel(loss, reference["loss"]) <= 1e-6
+        assert _evaluated(runs[False], key) != reference["indices"]
+        assert _rel(broken[f"{key}_loss"], reference["loss"]) > 1e-6
+
+
+@pytest.mark.multiproc
 def test_two_processes_report_token_accuracy_in_every_precision(tmp_path, tiny_model, processor, eval_file, reference):
     """2 gloo processes, fp32 / bf16 weights / fp32 + bf16 autocast, with and without compute_metrics: both ranks
     report the same eval_token_accuracy, fp32 equal to the unpatched model sample by sample, low precision within 2x
