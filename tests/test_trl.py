@@ -175,3 +175,73 @@ def test_sft_vision_collator(tmp_path, mode):
     ref = run_trainer("qwen2_5_vl", False, _sft(tmp_path, "vc-ref", samples, collator("rows"), **config))
     got = run_trainer("qwen2_5_vl", True, _sft(tmp_path, f"vc-{mode}", samples, collator(mode), **config))
     assert_same_training(ref, got, f"SFT VisionCollator {mode}")
+
+
+def _preference_pairs(n: int) -> list[dict]:
+    """Image preference pairs in TRL's conversational format: one image, a prompt, chosen and rejected answers."""
+    return [
+        {
+            "images": [image(56 + 28 * (i % 3), 56 + 28 * (i % 2), i)],
+            "prompt": [{"role": "user", "content": "What is in the picture? " * (i + 1)}],
+            "chosen": [{"role": "assistant", "content": f"A thing number {i}. " * (i + 1)}],
+            "rejected": [{"role": "assistant", "content": "Nothing."}],
+        }
+        for i in range(n)
+    ]
+
+
+def _dpo_step(patched: bool, tmp_path) -> dict:
+    """One DPOTrainer step on 4 image pairs; gradients before the (unclipped) optimizer step, and the tokens the
+    first decoder layer of the policy and of the reference model received."""
+    import copy
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    torch.manual_seed(0)
+    processor = load_processor("qwen2_5_vl")
+    model = build_tiny_model("qwen2_5_vl", processor_dir=FIXTURES / "qwen2_5_vl")
+    ref_model = copy.deepcopy(model)
+    with torch.no_grad():  # a reference that differs from the policy, so the loss is not log 2 by construction
+        for p in ref_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    if patched:
+        hf_packing.apply_rmpad("qwen2_5_vl")
+    seen, ref_seen = first_layer_tokens(model), first_layer_tokens(ref_model)
+    args = trl_config(trl.DPOConfig, tmp_path, f"dpo{patched}", max_steps=1, max_grad_norm=0.0, max_length=None)
+    trainer = trl.DPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=Dataset.from_list(_preference_pairs(4)),
+        processing_class=processor,
+    )
+    grads: dict[str, torch.Tensor] = {}
+
+    class Grads(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    trainer.add_callback(Grads())
+    real: list[int] = []
+    collate = trainer.data_collator
+    trainer.data_collator = lambda examples: (batch := collate(examples), real.append(_real_tokens(batch)))[0]
+    trainer.train()
+    loss = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+    return {"loss": loss, "grads": grads, "seen": seen, "ref_seen": ref_seen, "real": real}
+
+
+def test_dpo_image_pairs_one_step(tmp_path):
+    """DPOTrainer (TRL's vision preference collator: chosen and rejected rows, padded, with images): the loss and
+    every gradient equal the unpatched step; policy and reference see only the real tokens."""
+    ref, got = _dpo_step(False, tmp_path), _dpo_step(True, tmp_path)
+    assert ref["grads"].keys() == got["grads"].keys()
+    grad_err = max(((got["grads"][n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in ref["grads"].items())
+    loss_err = abs(got["loss"] - ref["loss"]) / abs(ref["loss"])
+    print(
+        f"DPO: loss {ref['loss']:.7f} vs {got['loss']:.7f} (rel {loss_err:.2e}); worst grad rel {grad_err:.2e}; "
+        f"policy saw {got['seen']}, reference {got['ref_seen']} for real {got['real'][:1]} (unpatched: {ref['seen']})"
+    )
+    assert abs(ref["loss"] - 0.6931472) > 1e-3  # the reference differs from the policy
+    assert loss_err <= LOSS_RTOL and grad_err <= 1e-4
+    assert got["seen"] == got["ref_seen"] == got["real"][:1] and ref["seen"][0] > got["seen"][0]
