@@ -717,7 +717,7 @@ def run_trl(args) -> None:
 
 {table}
 
-Unpatched, TRL's fused head already skips the LM head on unsupervised positions but the backbone runs every padded slot; patched, the backbone runs the real tokens only (the layer-0 column). First-step losses agree to the relative difference shown (fp32; `tests/test_trl.py` asserts 1e-5 over 3 steps).
+Both arms run TRL's own head (on CPU it scores every position of the `(B, L)` rows: it compacts to the supervised ones only on Triton devices); only the backbone differs: unpatched it runs every padded slot, patched the real tokens only (the layer-0 column). Timings are medians on a shared 2-core machine: compare the load average above before reading small differences. First-step losses agree to the relative difference shown (fp32; `tests/test_trl.py` asserts 1e-5 over 3 steps).
 """
     if args.no_write:
         print(body)
