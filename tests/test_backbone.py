@@ -169,3 +169,29 @@ def test_revert_restores_backbone_forwards():
         assert cls.__dict__["forward"] is not original and cls.__dict__["forward"].hf_packing_original is original
     revert_rmpad()
     assert all(cls.__dict__["forward"] is original for cls, original in before.values())
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_moe_router_logits_and_aux_loss_as_unpatched(model_type):
+    """Router logits come back in the unpatched ``(B·L, E)`` rows (zeros at pads), equal at real rows; the
+    load-balancing loss with the caller's attention mask (what TRL adds) equals the unpatched one."""
+    model, processor = model_and_processor(model_type)
+    batch = {k: v for k, v in processed_batch(processor).items() if k != "labels"}
+    real = batch["attention_mask"].flatten().bool()
+    text = model.config.text_config
+    module = FAMILIES[model_type].load()
+
+    def router_and_aux():
+        with torch.no_grad():
+            router = model.model(**batch, use_cache=False, output_router_logits=True).router_logits
+        mask = batch["attention_mask"]
+        return router, module.load_balancing_loss_func(router, text.num_experts, text.num_experts_per_tok, mask)
+
+    ref_router, ref_aux = router_and_aux()
+    hf_packing.apply_rmpad(model_type)
+    router, aux = router_and_aux()
+    assert [r.shape for r in router] == [r.shape for r in ref_router]
+    worst = max(rel(r[real], q[real]) for r, q in zip(router, ref_router))
+    print(f"{model_type}: router logits rel {worst:.2e}; aux {ref_aux.item():.7f} vs {aux.item():.7f}")
+    assert worst <= HIDDEN_RTOL and not any(r[~real].any() for r in router)
+    torch.testing.assert_close(aux, ref_aux, rtol=1e-5, atol=0)

@@ -11,8 +11,9 @@ top-level forward, and gives ``last_hidden_state`` back in the unpatched shape::
 One flattening per step: the patched top-level forward calls the backbone with the `PackedSequences` already in
 ``hf_packing_seqs``, and a call that carries them goes straight to the original function. Generation-style calls
 (a cache, ``use_cache`` resolving to True, ``inputs_embeds`` instead of ``input_ids``) run the original code too.
-Every other output field is the original's own (same class); ``router_logits`` (MoE) cover the ``T`` real tokens,
-not ``B · L`` rows of which the pads were routed too.
+Every other output field is the original's own (same class); MoE ``router_logits`` are re-padded to the unpatched
+``(B · L, E)`` rows with zeros at pads, so a load-balancing loss given the caller's ``attention_mask`` (TRL's aux
+loss) is the unpatched one.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def make_backbone_forward(original: Callable, spec: FamilySpec, options: RmpadOp
         outputs["last_hidden_state"] = flat.repad(hidden)
         if outputs.get("hidden_states") is not None:
             outputs["hidden_states"] = tuple(flat.repad(h[0]) for h in outputs.hidden_states)
+        if outputs.get("router_logits"):  # MoE, per layer (T, E) → the caller's (B·L, E), zeros at pads
+            outputs["router_logits"] = tuple(flat.repad(r).flatten(0, 1) for r in outputs.router_logits)
         return outputs
 
     return as_patched_forward(forward, original)
