@@ -23,7 +23,12 @@ A step is forward + backward + ``AdamW.step()`` + ``zero_grad``. Peak RSS is mea
 child process per arm (see RESULTS.md for the method). One extra step per arm runs under `torch.profiler`
 for the top operators. Writes its section of RESULTS.md and ``benchmarks/step_cpu.png``.
 
-Run: ``python benchmarks/bench_step_cpu.py`` (a few minutes; ``--quick`` for a smoke run).
+``--trl``: instead, TRL's ``SFTTrainer`` step (its fused LM head on the backbone ``model.model``, TRL >= 1.16),
+unpatched vs `apply_rmpad` (the patched backbone flattens the batch), on the same padded ``VisionCollator`` rows;
+a step = ``SFTTrainer.training_step`` (forward + backward) + ``AdamW.step()`` + ``zero_grad``. Writes its own
+RESULTS.md section (``bench_step_cpu_trl``).
+
+Run: ``python benchmarks/bench_step_cpu.py`` (a few minutes; ``--quick`` for a smoke run; ``--trl``).
 """
 
 from __future__ import annotations
@@ -376,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per arm (medians per category)")
     parser.add_argument("--quick", action="store_true", help="2 measured steps, batch 4; does not write anything")
     parser.add_argument("--no-write", action="store_true", help="print instead of writing RESULTS.md / the plot")
+    parser.add_argument("--trl", action="store_true", help="TRL SFTTrainer step, unpatched vs rmpad (own section)")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     parser.add_argument("--rss-out", help=argparse.SUPPRESS)
@@ -395,6 +401,9 @@ def main(argv: list[str] | None = None) -> None:
             1,
             True,
         )
+    if args.trl:
+        run_trl(args)
+        return
     torch.set_num_threads(args.threads)
     load_before = C.load_average()
     t_start = time.time()
@@ -595,6 +604,127 @@ Batches (padded view; the first {args.warmup} are warm-up):
         print(body)
         print(f"wrote {C.RESULTS} and {PLOT}")
     print(f"summary: {summary_path}")
+
+
+# ------------------------------------------------------------------------------------------------ TRL arm
+
+TRL_ARMS = ("sft unpatched", "sft rmpad")
+
+
+def _sft_trainer(model, processor, out: str):
+    """An SFTTrainer used only for its ``training_step`` (TRL's fused LM head on ``model.model``)."""
+    import trl
+    from datasets import Dataset
+
+    args = trl.SFTConfig(
+        out,
+        max_length=None,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        remove_unused_columns=False,
+        dataset_kwargs={"skip_prepare_dataset": True},
+        gradient_checkpointing=False,
+    )
+    dummy = Dataset.from_list([{"input_ids": [1, 2], "labels": [1, 2]}])
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dummy, processing_class=processor)
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def run_trl(args) -> None:
+    """The ``--trl`` arms (module docstring): step time, real tokens/s, first-layer tokens, loss agreement."""
+    import torch
+    from transformers import AutoProcessor
+
+    from hf_packing.patches import apply_rmpad, revert_rmpad
+
+    torch.set_num_threads(args.threads)
+    load_before, t_start = C.load_average(), time.time()
+    num_batches = args.warmup + args.steps
+    batches = make_batches(num_batches, args.batch_size)["padded+sdpa"]
+    processor = AutoProcessor.from_pretrained(str(FIXTURE))
+    base = build_model()
+    times: dict[str, list[float]] = {n: [] for n in TRL_ARMS}
+    losses: dict[str, list[float]] = {n: [] for n in TRL_ARMS}
+    layer_tokens: dict[str, list[int]] = {n: [] for n in TRL_ARMS}
+    with tempfile.TemporaryDirectory() as tmp:
+        arms = {}
+        for name in TRL_ARMS:
+            model = copy.deepcopy(base).train()
+            model.model.language_model.layers[0].register_forward_hook(
+                lambda m, a, out, name=name: layer_tokens[name].append(a[0].shape[:-1].numel())
+            )
+            arms[name] = (_sft_trainer(model, processor, tmp), model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        for i in range(num_batches):
+            for name, (trainer, model, optimizer) in arms.items():
+                if name == "sft rmpad":
+                    apply_rmpad("qwen2_5_vl", attn_backend="reference")
+                try:
+                    t0 = time.perf_counter()
+                    loss = trainer.training_step(model, dict(batches[i]))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    dt = time.perf_counter() - t0
+                finally:
+                    revert_rmpad("qwen2_5_vl")
+                losses[name].append(float(loss))
+                if i >= args.warmup:
+                    times[name].append(dt)
+            print(f"[trl] batch {i}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" for n in times if times[n]))
+    real = [int(b["attention_mask"].sum()) for b in batches]
+    if layer_tokens["sft rmpad"] != real:
+        raise RuntimeError(
+            f"the rmpad arm's first decoder layer got {layer_tokens['sft rmpad']} tokens for {real} real ones: the "
+            "hf_packing imported here has no patched backbone (run from the checkout: PYTHONPATH=. python ...)"
+        )
+    med = {n: C.median(t) for n, t in times.items()}
+    tok_s = {n: C.median(r / t for r, t in zip(real[args.warmup :], times[n])) for n in TRL_ARMS}
+    ref = losses[TRL_ARMS[0]][0]
+    rows = [
+        [
+            n,
+            f"**{med[n] * 1e3:,.0f}**",
+            f"{med[n] / med[TRL_ARMS[0]]:.3f}",
+            f"{tok_s[n]:,.0f}",
+            f"{sum(layer_tokens[n][: len(real)]):,} / {sum(b['attention_mask'].numel() for b in batches):,}",
+            f"{losses[n][0]:.7f}",
+            f"{abs(losses[n][0] - ref) / abs(ref):.1e}",
+        ]
+        for n in TRL_ARMS
+    ]
+    table = C.md_table(
+        [
+            "arm",
+            "median step ms",
+            "time / unpatched",
+            "real tokens/s",
+            "tokens into layer 0 / padded slots (all steps)",
+            "first-step loss",
+            "rel. diff",
+        ],
+        rows,
+    )
+    fraction = sum(real[args.warmup :]) / sum(b["attention_mask"].numel() for b in batches[args.warmup :])
+    body = f"""## CPU training step under TRL's SFTTrainer: unpatched vs rmpad (`bench_step_cpu.py --trl`)
+
+- Date: {C.today()}; took {time.time() - t_start:.0f} s; load average before (1/5/15 min): {load_before}, after: {C.load_average()}
+- Versions: {C.versions()}
+- Machine: {C.machine(f"torch.set_num_threads({args.threads})")}
+- Command: `{C.command_line()}`
+- Model and data: as in the section above (random-init Qwen2.5-VL, batches of {args.batch_size}); the padded `VisionCollator` rows (what TRL's own VLM collator gives: right-padded rows + attention mask). Real-token fraction over the measured steps: **{fraction:.3f}**.
+- Method: two arms in one process, interleaved step by step on the same batches, each on its own copy of the same initial weights with its own AdamW (lr 1e-4). A step = `SFTTrainer.training_step` (TRL {C.version_of("trl")}: `compute_loss` → `model(..., fused_lm_head=True)` → `model.model(...)` + TRL's chunked log-prob head; forward + backward) + `optimizer.step()` + `zero_grad`; `rmpad` wraps the step in `apply_rmpad("qwen2_5_vl", attn_backend="reference")` / `revert_rmpad`. fp32, no gradient checkpointing. {args.warmup} warm-up step(s), median of {args.steps} measured steps.
+
+{table}
+
+Both arms run TRL's own head (on CPU it scores every position of the `(B, L)` rows: it compacts to the supervised ones only on Triton devices); only the backbone differs: unpatched it runs every padded slot, patched the real tokens only (the layer-0 column). Timings are medians on a shared 2-core machine: compare the load average above before reading small differences. First-step losses agree to the relative difference shown (fp32; `tests/test_trl.py` asserts 1e-5 over 3 steps).
+"""
+    if args.no_write:
+        print(body)
+    else:
+        C.write_section("bench_step_cpu_trl", body)
+        print(body)
+        print(f"wrote {C.RESULTS}")
 
 
 #: Observations from the runs that the numbers above do not explain by themselves.

@@ -51,7 +51,7 @@ class RopeIndex:
 
         spec = FAMILIES[config.model_type]
         self.config = config
-        self._cls = getattr(spec.load(), spec.model_class.replace("ForConditionalGeneration", "Model"))
+        self._cls = getattr(spec.load(), spec.backbone_class)
         self._extra = spec.rope_kwargs
 
     def __getattr__(self, name: str):

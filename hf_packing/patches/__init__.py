@@ -1,6 +1,7 @@
 """``apply_rmpad`` / ``revert_rmpad``: the padding-free patches, one reversible group per model family.
 
-Per family the patch replaces ``XForConditionalGeneration.forward`` (unpad once, per-sequence loss), sets
+Per family the patch replaces ``XForConditionalGeneration.forward`` (unpad once, per-sequence loss) and the
+backbone's ``XModel.forward`` (unpad once for callers with their own head, e.g. TRL; see `_backbone`), sets
 ``accepts_loss_kwargs = True`` (so the Trainer passes ``num_items_in_batch`` and averages tokens across
 gradient-accumulation steps and ranks), and answers "flash" to the vision tower's backend check so its
 ``cu_seqlens`` reach the varlen kernels. Hybrid families (Qwen3.5) also get their linear-attention kernels
@@ -17,6 +18,7 @@ from .. import sequence_parallel as _sequence_parallel
 from ..linear_attention import LINEAR_BACKENDS
 from ..varlen import BACKENDS
 from ._attention import WRAPPED_IMPLEMENTATIONS, make_dispatcher, make_vision_flash_check
+from ._backbone import make_backbone_forward
 from ._forward import RmpadOptions, make_rmpad_forward
 from ._linear import linear_patches
 from ._patcher import Patch, PatchSet, RegistryPatch
@@ -78,11 +80,12 @@ def _registry_patches(options: RmpadOptions, families: list[FamilySpec]) -> list
 
 def _family_patches(spec: FamilySpec, options: RmpadOptions) -> list[Patch]:
     module = spec.load()
-    model_cls = getattr(module, spec.model_class)
+    model_cls, backbone_cls = getattr(module, spec.model_class), getattr(module, spec.backbone_class)
     linear = linear_patches(module, options.linear_backend) if spec.linear_attention else []
     return [
         Patch(model_cls, "forward", make_rmpad_forward(model_cls.__dict__["forward"], spec, options)),
         Patch(model_cls, "accepts_loss_kwargs", True),
+        Patch(backbone_cls, "forward", make_backbone_forward(backbone_cls.__dict__["forward"], spec, options)),
         Patch(module, "is_flash_attention_requested", make_vision_flash_check(module.is_flash_attention_requested)),
         *linear,
     ]

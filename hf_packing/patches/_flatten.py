@@ -152,7 +152,7 @@ def sequence_boundaries(
 
 
 def rope_positions(
-    model,
+    backbone,
     spec: FamilySpec,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -174,8 +174,8 @@ def rope_positions(
             "batch has images/videos but no mm_token_type_ids; deriving them from input_ids. (The unpatched model "
             "would silently fall back to 1-D positions here; pass the processor's mm_token_type_ids.)"
         )
-        mm_token_type_ids = mm_token_types(input_ids, model.config)
-    position_ids, _ = model.model.get_rope_index(
+        mm_token_type_ids = mm_token_types(input_ids, backbone.config)
+    position_ids, _ = backbone.get_rope_index(
         input_ids,
         mm_token_type_ids=mm_token_type_ids,
         image_grid_thw=image_grid_thw,
@@ -187,7 +187,7 @@ def rope_positions(
 
 
 def flatten_batch(
-    model,
+    backbone,
     spec: FamilySpec,
     *,
     input_ids: torch.Tensor,
@@ -199,12 +199,15 @@ def flatten_batch(
     video_grid_thw,
     extra: dict[str, Any],
 ) -> FlatBatch:
-    """Remove the padding once: the caller's ``(B, L)`` batch as a `FlatBatch` (checks placeholders per sequence)."""
+    """Remove the padding once: the caller's ``(B, L)`` batch as a `FlatBatch` (checks placeholders per sequence).
+
+    ``backbone`` is the family's ``XModel`` (``model.model``): its config and ``get_rope_index``.
+    """
     batch, length = input_ids.shape
     indices, seqs = sequence_boundaries(input_ids, attention_mask, position_ids, cu_seqlens)
     flat_ids = index_first_axis(input_ids.flatten(), indices).unsqueeze(0)
     if image_grid_thw is not None or video_grid_thw is not None:
-        check_placeholders(model.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
+        check_placeholders(backbone.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
     _, mrope = _text_positions(position_ids)
     if mrope is None:
         if len(seqs.seqlens) != batch:
@@ -213,7 +216,7 @@ def flatten_batch(
                 "per-sample position_ids (VisionCollator computes them)"
             )
         mrope = rope_positions(
-            model, spec, input_ids, attention_mask, mm_token_type_ids, image_grid_thw, video_grid_thw, extra
+            backbone, spec, input_ids, attention_mask, mm_token_type_ids, image_grid_thw, video_grid_thw, extra
         )
     flat_pos = mrope.flatten(1).index_select(1, indices.to(mrope.device)).unsqueeze(1)
     flat_types = None if mm_token_type_ids is None else index_first_axis(mm_token_type_ids.flatten(), indices)[None]

@@ -87,23 +87,87 @@ def signature_annotations(signature: inspect.Signature) -> dict[str, Any]:
     return annotations
 
 
-def _resolve_use_cache(model, use_cache: bool | None) -> bool:
+def resolve_use_cache(backbone, use_cache: bool | None) -> bool:
     """``use_cache`` as the unpatched forward resolves it: the text config's default, off under checkpointing."""
     if use_cache is None:
-        use_cache = bool(getattr(model.config.get_text_config(), "use_cache", False))
-    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in (model.model, model.model.language_model))
-    return bool(use_cache) and not (model.training and checkpointing)
+        use_cache = bool(getattr(backbone.config.get_text_config(), "use_cache", False))
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in (backbone, backbone.language_model))
+    return bool(use_cache) and not (backbone.training and checkpointing)
 
 
-def _run_backbone(
-    model,
+def bind_call(signature: inspect.Signature, self, args, kwargs) -> tuple[dict, dict, dict]:
+    """A forward call as (named arguments, the ``**kwargs`` rest, the `PACKING_PARAMETERS` values)."""
+    call = signature.bind(self, *args, **kwargs).arguments
+    call.pop("self")
+    extra = dict(call.pop("kwargs", {}))
+    packing = {p.name: extra.pop(p.name, None) for p in PACKING_PARAMETERS}
+    return call, extra, packing
+
+
+def is_generation_call(call: dict, generation_like: bool) -> bool:
+    """Whether the original forward must run: a cache, ``use_cache`` in effect, or no ``input_ids`` to flatten."""
+    return (
+        call.get("past_key_values") is not None
+        or generation_like
+        or call.get("input_ids") is None
+        or call.get("inputs_embeds") is not None
+    )
+
+
+def without_packing(kwargs: dict) -> dict:
+    """The caller's keywords for transformers' own path: a ``cu_seqlens`` key must not reach the vision tower,
+    which reads it as its own."""
+    return {k: v for k, v in kwargs.items() if k not in {p.name for p in PACKING_PARAMETERS}}
+
+
+def flatten_call(backbone, spec: FamilySpec, call: dict, extra: dict, packing: dict) -> tuple[FlatBatch, dict, dict]:
+    """Flatten a non-generation call once: the `FlatBatch`, the vision inputs, and the backbone's other keywords.
+
+    ``call`` / ``extra`` lose what is consumed here (ids, mask, positions, boundaries, vision and rope inputs,
+    ``use_cache``, the cache and embeddings, which are ``None`` on this path).
+    """
+    impl = backbone.config.get_text_config()._attn_implementation
+    if impl not in WRAPPED_IMPLEMENTATIONS:
+        raise ValueError(
+            f"apply_rmpad runs attention through one of {WRAPPED_IMPLEMENTATIONS}, but this model was loaded with "
+            f"attn_implementation={impl!r}; load it with attn_implementation='sdpa' (the backend is chosen by "
+            "apply_rmpad(attn_backend=...))"
+        )
+    for key in ("use_cache", "past_key_values", "inputs_embeds"):
+        call.pop(key, extra.pop(key, None))
+    hf_varlen = {k: extra.pop(k) for k in HF_VARLEN_KWARGS if k in extra}
+    extra.pop("seq_idx", None)  # TRL padding-free's per-token sequence index: the flat row's boundaries replace it
+    cu_seqlens = packing["cu_seqlens"] if packing["cu_seqlens"] is not None else hf_varlen.get("cu_seq_lens_q")
+    vision = {k: call.pop(k, None) for k in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")}
+    rope_extra = {k: call.pop(k, extra.pop(k, None)) for k in spec.rope_kwargs}
+    flat = flatten_batch(
+        backbone,
+        spec,
+        input_ids=call.pop("input_ids"),
+        attention_mask=call.pop("attention_mask", None),
+        position_ids=call.pop("position_ids", None),
+        cu_seqlens=cu_seqlens,
+        mm_token_type_ids=call.pop("mm_token_type_ids", None),
+        image_grid_thw=vision["image_grid_thw"],
+        video_grid_thw=vision["video_grid_thw"],
+        extra=rope_extra,
+    )
+    return flat, vision, {**call, **extra, **{k: v for k, v in rope_extra.items() if v is not None}}
+
+
+def run_backbone(
+    backbone,
     flat: FlatBatch,
     vision: dict[str, torch.Tensor | None],
     model_kwargs: dict[str, Any],
     dummy_vision: bool,
     sp: SPGroup | None = None,
+    forward: Callable | None = None,
 ):
-    """``model.model`` on the flat row, calling the vision tower once on every rank (see `_vision.tower_calls`).
+    """The backbone on the flat row, calling the vision tower once on every rank (see `_vision.tower_calls`).
+
+    ``forward`` is the backbone's call: the module itself (the top-level path) or, from inside the patched backbone
+    forward, its original function. Either way it carries the `PackedSequences`, so it runs unflattened code.
 
     Under sequence parallelism (``sp``) the tower's units are split over the SP group (`_vision.tower_calls`) and a
     pre-hook on the text model keeps this rank's slice of the whole pack (embedded, vision features placed, M-RoPE
@@ -112,13 +176,14 @@ def _run_backbone(
     Returns the backbone outputs and the dummy term (``None`` unless ``dummy_vision`` ran the tower on a batch
     without pixels, or an SP rank got no vision unit).
     """
+    forward = backbone if forward is None else forward
     hook = None
     if sp is not None:
         shard = sequence_parallel_.text_model_pre_hook(sp, flat.seqs, PACKED_KWARG)
-        hook = model.model.language_model.register_forward_pre_hook(shard, with_kwargs=True)
+        hook = backbone.language_model.register_forward_pre_hook(shard, with_kwargs=True)
     try:
-        with tower_calls(model, **vision, dummy=dummy_vision, model_kwargs=model_kwargs, sp=sp) as dummy:
-            outputs = model.model(
+        with tower_calls(backbone, **vision, dummy=dummy_vision, model_kwargs=model_kwargs, sp=sp) as dummy:
+            outputs = forward(
                 input_ids=flat.input_ids,
                 attention_mask=None,
                 position_ids=flat.position_ids,
@@ -183,48 +248,17 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
     output_class = _output_class(original, spec)
 
     def forward(self, *args, **kwargs):
-        call = signature.bind(self, *args, **kwargs).arguments
-        call.pop("self")
-        extra = dict(call.pop("kwargs", {}))
-        packing = {p.name: extra.pop(p.name, None) for p in PACKING_PARAMETERS}
+        call, extra, packing = bind_call(signature, self, args, kwargs)
         labels, shift_labels = call.pop("labels", None), extra.pop("shift_labels", None)
         supervised = labels is not None or shift_labels is not None
-        use_cache = call.pop("use_cache", extra.pop("use_cache", None))
-        input_ids, inputs_embeds = call.pop("input_ids", None), call.pop("inputs_embeds", None)
-        past_key_values = call.pop("past_key_values", None)
-        generation_like = use_cache if supervised else _resolve_use_cache(self, use_cache)
-        if past_key_values is not None or generation_like or input_ids is None or inputs_embeds is not None:
-            # transformers' own path; a cu_seqlens key must not reach the vision tower, which reads it as its own
-            return original(self, *args, **{k: v for k, v in kwargs.items() if k not in packing}, return_dict=True)
+        use_cache = call.get("use_cache", extra.get("use_cache"))
+        generation_like = use_cache if supervised else resolve_use_cache(self.model, use_cache)
+        if is_generation_call(call, generation_like):
+            return original(self, *args, **without_packing(kwargs), return_dict=True)
 
-        impl = self.config.get_text_config()._attn_implementation
-        if impl not in WRAPPED_IMPLEMENTATIONS:
-            raise ValueError(
-                f"apply_rmpad runs attention through one of {WRAPPED_IMPLEMENTATIONS}, but this model was loaded with "
-                f"attn_implementation={impl!r}; load it with attn_implementation='sdpa' (the backend is chosen by "
-                "apply_rmpad(attn_backend=...))"
-            )
-        hf_varlen = {k: extra.pop(k) for k in HF_VARLEN_KWARGS if k in extra}
-        cu_seqlens = packing["cu_seqlens"] if packing["cu_seqlens"] is not None else hf_varlen.get("cu_seq_lens_q")
         num_items_in_batch = extra.pop("num_items_in_batch", None)
         logits_to_keep = call.pop("logits_to_keep", 0)
-        vision = {
-            k: call.pop(k, None) for k in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
-        }
-        rope_extra = {k: call.pop(k, extra.pop(k, None)) for k in spec.rope_kwargs}
-        flat = flatten_batch(
-            self,
-            spec,
-            input_ids=input_ids,
-            attention_mask=call.pop("attention_mask", None),
-            position_ids=call.pop("position_ids", None),
-            cu_seqlens=cu_seqlens,
-            mm_token_type_ids=call.pop("mm_token_type_ids", None),
-            image_grid_thw=vision["image_grid_thw"],
-            video_grid_thw=vision["video_grid_thw"],
-            extra=rope_extra,
-        )
-        model_kwargs = {**call, **extra, **{k: v for k, v in rope_extra.items() if v is not None}}
+        flat, vision, model_kwargs = flatten_call(self.model, spec, call, extra, packing)
         if spec.moe:
             # as the original resolves it: the config's default where it is a parameter (5.23), else only when asked
             router = model_kwargs.get("output_router_logits")
@@ -232,7 +266,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             model_kwargs["output_router_logits"] = bool(default) if router is None else router
         sp = sequence_parallel_.sp_group(options.sequence_parallel_size)
         # evaluation too: FSDP2 / ZeRO-3 all-gather the tower's parameters in every forward, with or without grad
-        outputs, dummy = _run_backbone(self, flat, vision, model_kwargs, options.dummy_vision, sp)
+        outputs, dummy = run_backbone(self.model, flat, vision, model_kwargs, options.dummy_vision, sp)
         skip_logits = packing["skip_logits"]
         want_logits = not skip_logits if skip_logits is not None else not (supervised and self.training)
         ce, flat_logits = _loss_and_logits(
@@ -267,6 +301,11 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
         loss_.attach_token_counts(result, ce)  # for evaluation: counts and accuracy without logits
         return result
 
+    return as_patched_forward(forward, original)
+
+
+def as_patched_forward(forward: Callable, original: Callable) -> Callable:
+    """``forward`` dressed as ``original``: ``return_dict`` handling, the patched signature, name and docstring."""
     wrapped = can_return_tuple(forward)
     wrapped.__signature__ = patched_signature(original)
     wrapped.__annotations__ = signature_annotations(wrapped.__signature__)

@@ -14,7 +14,8 @@ class FamilySpec:
     Attributes:
         model_type: e.g. ``"qwen2_5_vl"``.
         module: the transformers modeling module.
-        model_class / text_attention / vision_attention: class names inside ``module``.
+        model_class / backbone_class / text_attention / vision_attention: class names inside ``module``
+            (``XForConditionalGeneration``, its ``model`` attribute's ``XModel``, the attention modules).
         rope_kwargs: extra ``get_rope_index`` / model-forward arguments the family takes.
         moe: whether the text model routes tokens to experts (adds the load-balancing loss).
         linear_attention: whether text layers mix softmax attention with Gated DeltaNet linear attention
@@ -24,6 +25,7 @@ class FamilySpec:
     model_type: str
     module: str
     model_class: str
+    backbone_class: str
     text_attention: str
     vision_attention: str
     rope_kwargs: tuple[str, ...] = ()
@@ -43,6 +45,7 @@ def _spec(model_type: str, prefix: str, text_attention: str, vision_attention: s
         model_type=model_type,
         module=f"transformers.models.{model_type}.modeling_{model_type}",
         model_class=f"{prefix}ForConditionalGeneration",
+        backbone_class=f"{prefix}Model",
         text_attention=text_attention,
         vision_attention=vision_attention,
         **extra,

@@ -56,20 +56,20 @@ def _rows(tensor: torch.Tensor, sizes: list[int], keep: slice) -> torch.Tensor:
     return tensor[start : start + sum(sizes[keep])]
 
 
-def _dummy_output(model, **kwargs: Any) -> ModelOutput:
-    """The tower's output for one 1-frame, ``merge × merge``-patch zero image."""
-    vcfg = model.config.vision_config
+def _dummy_output(backbone, **kwargs: Any) -> ModelOutput:
+    """The tower's output for one 1-frame, ``merge × merge``-patch zero image (``backbone``: the ``XModel``)."""
+    vcfg = backbone.config.vision_config
     merge = vcfg.spatial_merge_size
     patch_dim = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
-    device = model.lm_head.weight.device
-    pixels = torch.zeros(merge * merge, patch_dim, device=device, dtype=model.model.visual.dtype)
+    device = backbone.get_input_embeddings().weight.device
+    pixels = torch.zeros(merge * merge, patch_dim, device=device, dtype=backbone.visual.dtype)
     grid = torch.tensor([[1, merge, merge]], device=device)
-    return type(model.model).get_image_features(model.model, pixels, grid, **{**kwargs, "return_dict": True})
+    return type(backbone).get_image_features(backbone, pixels, grid, **{**kwargs, "return_dict": True})
 
 
-def _dummy_features(model, **kwargs: Any) -> tuple[ModelOutput, torch.Tensor]:
+def _dummy_features(backbone, **kwargs: Any) -> tuple[ModelOutput, torch.Tensor]:
     """The dummy image's tower output and 0 · Σ of it (a 0-d fp32 tensor that keeps the tower in the graph)."""
-    out = _dummy_output(model, **kwargs)
+    out = _dummy_output(backbone, **kwargs)
     return out, sum(t.float().sum() for t in _iter_tensors(out.to_tuple())) * 0.0
 
 
@@ -83,7 +83,7 @@ def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 @contextmanager
 def tower_calls(
-    model,
+    backbone,
     pixel_values: torch.Tensor | None,
     pixel_values_videos: torch.Tensor | None,
     image_grid_thw: torch.Tensor | None,
@@ -93,7 +93,7 @@ def tower_calls(
     model_kwargs: Mapping[str, Any] = MappingProxyType({}),
     sp: SPGroup | None = None,
 ) -> Iterator[list[torch.Tensor]]:
-    """Make ``model.model(...)`` inside the block call the vision tower exactly once (see the module docstring).
+    """Make the backbone (``XModel``) inside the block call the vision tower exactly once (see the module docstring).
 
     Yields a list that holds the dummy term (``0 · Σ features``, a 0-d fp32 tensor) once the dummy call ran; the
     caller adds it to the loss so the tower's parameters are in the graph of every rank.
@@ -102,7 +102,7 @@ def tower_calls(
     (images and video frame groups, balanced by patches) and the features are all-gathered over the SP group
     (`~hf_packing.sequence_parallel.encode_vision_split`); an SP rank that gets no unit encodes the dummy image.
     """
-    inner = model.model
+    inner = backbone
     dummy_terms: list[torch.Tensor] = []
     if pixel_values is None and pixel_values_videos is None:
         hook = None
@@ -110,7 +110,7 @@ def tower_calls(
 
             def after_embedding(*_) -> None:
                 if not dummy_terms:
-                    dummy_terms.append(_dummy_features(model)[1])
+                    dummy_terms.append(_dummy_features(backbone)[1])
 
             hook = inner.get_input_embeddings().register_forward_hook(after_embedding)
         try:
@@ -149,8 +149,8 @@ def tower_calls(
                 pixels,
                 grids,
                 sp,
-                model.config.vision_config.spatial_merge_size,
-                lambda: _dummy_features(model, **kwargs),
+                backbone.config.vision_config.spatial_merge_size,
+                lambda: _dummy_features(backbone, **kwargs),
             )
             if term is not None:
                 dummy_terms.append(term)
