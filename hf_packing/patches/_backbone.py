@@ -62,7 +62,8 @@ def make_backbone_forward(original: Callable, spec: FamilySpec, options: RmpadOp
             hidden = hidden + dummy.to(hidden.dtype)
         outputs["last_hidden_state"] = flat.repad(hidden)
         if outputs.get("hidden_states") is not None:
-            outputs["hidden_states"] = tuple(flat.repad(h[0]) for h in outputs.hidden_states)
+            # None where output_hidden_states=[indices] left a layer out
+            outputs["hidden_states"] = tuple(None if h is None else flat.repad(h[0]) for h in outputs.hidden_states)
         if outputs.get("router_logits"):  # MoE, per layer (T, E) → the caller's (B·L, E), zeros at pads
             outputs["router_logits"] = tuple(flat.repad(r).flatten(0, 1) for r in outputs.router_logits)
         return outputs

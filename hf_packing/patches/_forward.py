@@ -293,7 +293,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             attentions=outputs.get("attentions"),
             hidden_states=None
             if hidden_states is None
-            else tuple(flat.repad(_whole(h[0], flat, sp)) for h in hidden_states),
+            else tuple(None if h is None else flat.repad(_whole(h[0], flat, sp)) for h in hidden_states),
         )
         if spec.moe:
             fields.update(_moe_fields(self, spec, outputs, loss, ce, num_items_in_batch, flat, sp))
