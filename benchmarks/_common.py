@@ -22,7 +22,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 #: order of the sections in a fresh RESULTS.md
-SECTION_ORDER = ("bench_packing", "bench_index", "bench_balance", "bench_step_cpu", "bench_step_cpu_trl", "bench_gpu")
+SECTION_ORDER = (
+    "bench_packing",
+    "bench_index",
+    "bench_balance",
+    "bench_step_cpu",
+    "bench_step_cpu_trl",
+    "bench_syncs",
+    "bench_gpu",
+)
 _HEADER = (
     "# Benchmark results\n\n"
     "Each section is written by its script (`benchmarks/<name>.py`); re-running a script replaces only its own "

@@ -89,10 +89,13 @@ class VisionCollator:
             the attention mask gives the same boundaries), and an unpatched model would hand a ``cu_seqlens``
             key to its vision tower, which reads it as its own.
 
+    Both modes add ``num_supervised_tokens`` (int), the host count of supervised targets: with it the patched loss
+    selects them without a host sync (an unpatched model ignores the key).
+
     Returns (``__call__``), ``"rows"``: ``input_ids``/``labels``/``attention_mask``/``mm_token_type_ids`` ``(B, L)``,
     the concatenated vision tensors, optional ``position_ids (3, B, L)``, ``cu_seqlens`` int32 ``(B+1,)`` and
-    ``max_seqlen`` int. ``"flat"``: ``(1, T)`` tensors, ``position_ids (4, 1, T)``, ``cu_seq_lens_q/k``,
-    ``max_length_q/k``.
+    ``max_seqlen`` int, ``num_supervised_tokens`` int. ``"flat"``: ``(1, T)`` tensors, ``position_ids (4, 1, T)``,
+    ``cu_seq_lens_q/k``, ``max_length_q/k``, ``num_supervised_tokens``.
     """
 
     def __init__(
@@ -232,6 +235,7 @@ class VisionCollator:
         if self.return_cu_seqlens:
             out["cu_seqlens"] = _cu_seqlens(lengths)
             out["max_seqlen"] = max(lengths)
+        out["num_supervised_tokens"] = _num_supervised(labels)
         return out
 
     def _flat(self, ids, labels, types, positions) -> dict[str, Any]:
@@ -247,6 +251,7 @@ class VisionCollator:
             "cu_seq_lens_k": cu,
             "max_length_q": max(lengths),
             "max_length_k": max(lengths),
+            "num_supervised_tokens": _num_supervised(labels),
             # With a cache, transformers skips packed-sequence detection and sdpa attends across samples.
             "use_cache": False,
         }
@@ -259,6 +264,12 @@ class VisionCollator:
             if parts:
                 out[key] = torch.cat([p.reshape(-1) if key == "second_per_grid_ts" else p for p in parts])
         return out
+
+
+def _num_supervised(labels: list[torch.Tensor]) -> int:
+    """Supervised next-token targets: every label but -100 (each sample's first label is -100, so shifting the
+    labels inside each sample drops none of them). The patched loss selects them without a host sync."""
+    return int(sum(int((t != IGNORE_INDEX).sum()) for t in labels))
 
 
 def _cu_seqlens(lengths: list[int]) -> torch.Tensor:

@@ -128,6 +128,7 @@ def linear_cross_entropy_sum(
     *,
     chunk_size: int | None = None,
     use_liger: bool | None = None,
+    num_supervised: int | None = None,
 ) -> CrossEntropySum:
     """Σ cross-entropy of ``head(hidden)`` against ``targets`` over supervised positions.
 
@@ -138,6 +139,10 @@ def linear_cross_entropy_sum(
         chunk_size (`int`, *optional*): rows per chunk; default keeps one chunk's logits near 1 GiB.
         use_liger (`bool`, *optional*): use Liger-Kernel's fused kernel (default: when installed, on CUDA, and
             `liger_can_read_weight`).
+        num_supervised (`int`, *optional*): the number of supervised targets when the caller knows it on the host
+            (`VisionCollator` counts it in the DataLoader worker). Then the supervised rows are selected with a
+            fixed-size ``nonzero_static`` and checked on the device (``torch._assert_async``), so the step never
+            waits for the device here; without it ``nonzero`` reads the count from the device (one host sync).
 
     With no supervised position the sum is ``0 * head(hidden[:1]).sum()``: zero, but every head and backbone
     parameter stays in the graph, so DDP (``find_unused_parameters=False``) and ZeRO see the same backward
@@ -147,7 +152,15 @@ def linear_cross_entropy_sum(
         `CrossEntropySum`.
     """
     targets = targets.to(hidden.device)
-    keep = torch.nonzero(targets != IGNORE_INDEX, as_tuple=False).flatten()
+    supervised = targets != IGNORE_INDEX
+    if num_supervised is None:
+        keep = torch.nonzero(supervised, as_tuple=False).flatten()
+    else:
+        # fill -1 would index the last row: the assert below catches a wrong count before any result is used
+        torch._assert_async(
+            supervised.sum() == num_supervised, "num_supervised_tokens does not match the labels' supervised count"
+        )
+        keep = torch.nonzero_static(supervised, size=num_supervised).flatten()
     n = keep.numel()
     if n == 0:
         zero = head(hidden[:1]).float().sum() * 0.0

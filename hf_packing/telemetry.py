@@ -12,11 +12,18 @@ and adds ``packing/*`` keys to the ``logs`` dict:
     pack_fill         real tokens / (packs × max_length); packs = micro-batches × per_device_train_batch_size
     images_per_step, videos_per_step, vision_patches_per_step   per optimizer step
     dropped_samples   cumulative samples not trained on (stats() skipped, all reasons, + leftover_samples), rank 0's
-    tflops_per_s_per_device, mfu       when the model's parameter counts are known (and a peak for mfu)
+    tflops_per_s_per_device   text + vision model FLOPs per second, when the model's parameter counts are known
+    mfu, mfu_with_vision      (with a peak) the language model's FLOPs only, as lmms-engine reports MFU; and text +
+                              vision, comparable with Megatron-Bridge's
 
 FLOPs per optimizer step (forward + backward, the usual 6·N·T, attention counted per document)::
 
-    6·N·T  +  6·L·d·Σ_i len_i²  +  18·L_lin·S·T  +  c_v·N_v·P
+    6·N·T  +  6·L·d·Σ_i len_i²  +  18·L_lin·S·T  +  vision
+
+The vision term is exact, per image and frame (`hf_packing.flops.vision_flops`, also public as
+``training_flops(model, batch)`` here): patch embedding, blocks, full and windowed attention, merger and
+DeepStack mergers on merged tokens, frozen tower = forward only; the grids are read once at log time. Without a
+Qwen-VL tower it falls back to c_v·N_v·P:
 
     N    text parameters without the input-embedding lookup (decoder layers, final norm, the LM head
          matmul d·V even when tied); MoE experts count k/E of their weights (only the active ones)
@@ -29,7 +36,7 @@ FLOPs per optimizer step (forward + backward, the usual 6·N·T, attention count
          intra-chunk products (~2·64·(d_k+d_v) per head and token) are the algorithm's, not counted
     N_v  vision-tower parameters per patch (merger weights / merge², as it runs on merged tokens)
     P    vision patches Σ t·h·w of image_grid_thw and video_grid_thw; c_v = 6, or 2 if the tower is frozen
-         (forward only). Vision attention and a dummy_vision image are not counted.
+         (forward only). A dummy_vision image is not counted.
 
 MFU = FLOPs / (seconds × peak × world_size); peak from ``peak_tflops`` or the CUDA device name (H100 /
 H200 SXM bf16 dense 989 TFLOP/s, A100 312), otherwise MFU is omitted.
@@ -58,6 +65,9 @@ import torch
 from transformers import TrainerCallback
 
 from . import sequence_parallel
+from .flops import training_flops, vision_flops
+
+__all__ = ["ModelFlops", "PackingTelemetry", "add_telemetry", "default_peak_tflops", "training_flops"]
 
 PREFIX = "packing/"
 #: (substring of torch.cuda.get_device_name(), dense bf16 TFLOP/s); first match wins.
@@ -71,7 +81,7 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("A800", 312.0),
 )
 _DEVICE_KEYS = ("real", "sq", "patches", "sp_pad")  # accumulated as on-device int64
-_HOST_KEYS = ("real_host", "sq_host", "slots", "images", "videos", "forwards", "sp_pad_host", "comm_s")
+_HOST_KEYS = ("real_host", "sq_host", "slots", "images", "videos", "forwards", "sp_pad_host", "comm_s", "vision_flops")
 
 
 def default_peak_tflops() -> float | None:
@@ -121,12 +131,17 @@ class ModelFlops:
             n_text, n_vision, text.num_hidden_layers - n_linear, heads * head_dim, vision_trainable, n_linear, state
         )
 
-    def flops(self, *, real_tokens: float, sum_sq_lens: float, vision_patches: float) -> float:
-        """Training FLOPs (forward + backward) for the given counts."""
+    def text_flops(self, *, real_tokens: float, sum_sq_lens: float) -> float:
+        """Training FLOPs (forward + backward) of the language model for the given counts."""
         attention = 6.0 * self.n_layers * self.attn_dim * sum_sq_lens
         attention += 18.0 * self.n_linear_layers * self.linear_state * real_tokens
+        return 6.0 * self.n_text * real_tokens + attention
+
+    def flops(self, *, real_tokens: float, sum_sq_lens: float, vision_patches: float) -> float:
+        """Training FLOPs (forward + backward) for the given counts; the vision term is the per-patch estimate
+        (`hf_packing.flops.vision_flops` is exact: the telemetry uses it when it has the model)."""
         vision = (6.0 if self.vision_trainable else 2.0) * self.n_vision * vision_patches
-        return 6.0 * self.n_text * real_tokens + attention + vision
+        return self.text_flops(real_tokens=real_tokens, sum_sq_lens=sum_sq_lens) + vision
 
 
 def _total(value: Any) -> float:
@@ -167,6 +182,7 @@ class PackingTelemetry(TrainerCallback):
     def _reset(self) -> None:
         self._acc: torch.Tensor | None = None  # created on the first batch's device
         self._host = dict.fromkeys(_HOST_KEYS, 0)
+        self._grids: list[torch.Tensor] = []  # (t, h, w) rows of every item, read once at log time
 
     def _add(self, index: int, value: torch.Tensor) -> None:
         if self._acc is None:
@@ -208,6 +224,7 @@ class PackingTelemetry(TrainerCallback):
             if isinstance(grid, torch.Tensor) and grid.numel():
                 host[count_key] += grid.shape[0]
                 self._add(2, grid.long().prod(-1).sum())
+                self._grids.append(grid.detach().reshape(-1, 3))
 
     def _dropped(self) -> float | None:
         """Samples the dataset will not train on: ``stats()["skipped"]`` (all reasons) + ``["leftover_samples"]``
@@ -232,6 +249,7 @@ class PackingTelemetry(TrainerCallback):
         if reduce and torch.distributed.get_rank() != 0:
             extra = [0.0, 0.0]
         self._host["comm_s"] += sequence_parallel.COMM_TIMER.take()
+        self._host["vision_flops"] = self._vision_flops()
         vec = torch.cat([acc, torch.tensor([self._host[k] for k in _HOST_KEYS] + extra, dtype=dtype, device=dev)])
         if reduce:
             torch.distributed.all_reduce(vec)
@@ -244,13 +262,26 @@ class PackingTelemetry(TrainerCallback):
             "sp_padding_tokens": v["sp_pad"] + v["sp_pad_host"],
             **{k: v[k] for k in _HOST_KEYS[2:6] + ("has_stats", "dropped")},
             "comm_seconds": v["comm_s"],  # Σ over ranks
+            "vision_flops": v["vision_flops"],  # exact (`hf_packing.flops`); 0 without the model or grids
         }
+
+    def _vision_flops(self) -> float:
+        """Exact vision-tower FLOPs of the grids seen since the last log (one host read for all of them)."""
+        model = getattr(self, "_model", None)
+        if model is None or not self._grids:
+            return 0.0
+        grids = torch.cat([g.to(self._grids[0].device) for g in self._grids]).tolist()
+        try:
+            return vision_flops(model, grids)
+        except (AttributeError, TypeError):  # not a Qwen-VL tower: the per-patch estimate is used
+            return 0.0
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def attach(self, model: torch.nn.Module) -> None:
         """Start counting the training forwards of ``model`` (the outermost module the Trainer calls)."""
         self.detach()
         self._handle = model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        self._model = model
         if self.model_flops is None:
             try:
                 self.model_flops = ModelFlops.from_model(model)
@@ -310,12 +341,15 @@ class PackingTelemetry(TrainerCallback):
         if c["has_stats"]:
             new["dropped_samples"] = c["dropped"]
         if self.model_flops is not None:
-            flops = self.model_flops.flops(
-                real_tokens=c["real_tokens"], sum_sq_lens=c["sum_sq_lens"], vision_patches=c["vision_patches"]
+            text = self.model_flops.text_flops(real_tokens=c["real_tokens"], sum_sq_lens=c["sum_sq_lens"])
+            vision = c["vision_flops"] or (
+                self.model_flops.flops(real_tokens=0, sum_sq_lens=0, vision_patches=c["vision_patches"])
             )
-            new["tflops_per_s_per_device"] = flops / seconds / self._world / 1e12
+            per_device = 1.0 / seconds / self._world / 1e12
+            new["tflops_per_s_per_device"] = (text + vision) * per_device
             if self.peak_tflops:
-                new["mfu"] = new["tflops_per_s_per_device"] / self.peak_tflops
+                new["mfu"] = text * per_device / self.peak_tflops  # LLM only, as lmms-engine reports it
+                new["mfu_with_vision"] = new["tflops_per_s_per_device"] / self.peak_tflops
         new = {PREFIX + k: v for k, v in new.items()}
         logs.update(new)
         # Trainer.log appends a copy of `logs` to log_history before calling on_log; keep it in step.

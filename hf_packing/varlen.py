@@ -154,7 +154,14 @@ def _host_seqlens(seqs: PackedSequences) -> list[int]:
 def reference_varlen(
     q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None, dropout: float = 0.0
 ) -> torch.Tensor:
-    """Exact pure-torch varlen attention: SDPA on each sequence alone. Shapes as in the module docstring."""
+    """Exact pure-torch varlen attention: SDPA on each sequence alone. Shapes as in the module docstring.
+
+    Under ``torch.compile`` it runs one SDPA over the whole stream with the block-causal mask built from
+    ``cu_seqlens`` on the device instead (`masked_reference_varlen`): a loop over the sequences would be unrolled
+    and recompiled for every number of sequences.
+    """
+    if torch.compiler.is_compiling():
+        return masked_reference_varlen(q, k, v, seqs, causal=causal, scale=scale, window=window, dropout=dropout)
     if not q.dtype == k.dtype == v.dtype and not torch.is_autocast_enabled(q.device.type):
         dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -174,6 +181,29 @@ def reference_varlen(
         )
         outs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0)
+
+
+def masked_reference_varlen(
+    q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None, dropout: float = 0.0
+) -> torch.Tensor:
+    """`reference_varlen` as one SDPA with a dense ``(T, T)`` mask from ``cu_seqlens`` (no host value, one graph
+    for any number of sequences; O(T²) memory, so for compiled CPU tests and small packs)."""
+    if not q.dtype == k.dtype == v.dtype and not torch.is_autocast_enabled(q.device.type):
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    pos = torch.arange(q.shape[0], device=q.device)
+    # the whole cu_seqlens (never of size 1, which torch.compile would specialise on), not cu_seqlens[1:]
+    seq_id = torch.searchsorted(seqs.cu_seqlens.to(q.device, torch.int64), pos, right=True)
+    mask = seq_id[:, None] == seq_id[None, :]
+    if causal:
+        mask &= pos[:, None] >= pos[None, :]
+        if window is not None:
+            mask &= pos[:, None] - pos[None, :] < window
+    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H, T, D)
+    out = F.scaled_dot_product_attention(
+        qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.squeeze(0).transpose(0, 1)
 
 
 def torch_varlen(

@@ -36,6 +36,26 @@ def test_chunked_equals_full_cross_entropy_values_and_grads():
     torch.testing.assert_close(got[1], head.weight.grad)
 
 
+def test_host_count_selects_the_same_rows_without_a_sync():
+    """With the collator's count the rows come from a fixed-size nonzero: same sum and grads, no syncing op; a
+    wrong count is caught on the device (negative control)."""
+    from hf_packing.testing.syncs import SyncCounter
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 20, bias=False)
+    hidden = torch.randn(11, 8, requires_grad=True)
+    targets = torch.tensor([3, -100, 4, 5, -100, -100, 7, 1, -100, 2, 9])
+    ref = linear_cross_entropy_sum(hidden, head, targets, chunk_size=3)
+    ref_grad = torch.autograd.grad(ref.loss_sum, hidden)[0]
+    with SyncCounter() as counter:
+        got = linear_cross_entropy_sum(hidden, head, targets, chunk_size=3, num_supervised=7)
+        grad = torch.autograd.grad(got.loss_sum, hidden)[0]
+    assert counter.total == 0 and got.num_supervised == ref.num_supervised == 7
+    assert torch.equal(got.loss_sum, ref.loss_sum) and torch.equal(grad, ref_grad)
+    with pytest.raises(RuntimeError, match="num_supervised_tokens does not match"):
+        linear_cross_entropy_sum(hidden, head, targets, num_supervised=6)
+
+
 def test_no_supervised_tokens_keeps_every_parameter_in_the_graph():
     """DDP with find_unused_parameters=False needs a gradient (zero) for the head too, not only for the backbone."""
     head = torch.nn.Linear(4, 7)

@@ -7,7 +7,7 @@ import torch
 from conftest import load_processor
 
 from hf_packing.collator import VisionCollator
-from hf_packing.telemetry import ModelFlops, PackingTelemetry, add_telemetry, default_peak_tflops
+from hf_packing.telemetry import ModelFlops, PackingTelemetry, add_telemetry, default_peak_tflops, training_flops
 from hf_packing.testing.tiny import TOKEN_IDS, build_tiny_model
 
 VS, VE, IMG = TOKEN_IDS["<|vision_start|>"], TOKEN_IDS["<|vision_end|>"], TOKEN_IDS["<|image_pad|>"]
@@ -56,6 +56,7 @@ def test_exact_counts_through_a_tiny_model_forward(model, mode, slots):
         "forwards": 1,
     }
     assert {k: counts[k] for k in expected} == expected
+    assert counts["vision_flops"] == training_flops(model, batch)["vision"] > 0  # exact, per item (test_flops.py)
 
 
 def test_counts_any_collator_and_boundary_kwargs():
@@ -192,5 +193,6 @@ def test_trainer_logs_keys_before_reporters(tmp_path):
     assert (second["packing/images_per_step"], second["packing/videos_per_step"]) == (0.0, 0.0)
     assert first["packing/dropped_samples"] == 3 + 1 + 2  # stats(): skipped (every reason) + leftover samples
     for log in logs:
-        assert log["packing/tokens_per_s"] > 0 and 0 < log["packing/mfu"] == log["packing/tflops_per_s_per_device"]
+        assert log["packing/tokens_per_s"] > 0 and 0 < log["packing/mfu"] <= log["packing/mfu_with_vision"]
+        assert log["packing/mfu_with_vision"] == log["packing/tflops_per_s_per_device"]
     assert telemetry._handle is None and not tiny._forward_pre_hooks

@@ -98,3 +98,19 @@ def test_backend_resolution_on_cpu():
         varlen.resolve_backend("torch_varlen", cpu)
     with pytest.raises(ValueError, match="unknown attn_backend"):
         varlen.resolve_backend("xformers", cpu)
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 2)])
+def test_masked_reference_equals_per_sequence_reference(causal, window):
+    """The compile path (one SDPA, block mask from cu_seqlens on the device) equals SDPA per sequence, GQA too;
+    a mask from merged boundaries differs (negative control)."""
+    from hf_packing.varlen import masked_reference_varlen, reference_varlen
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    seqs = PackedSequences.from_seqlens([3, 5, 1])
+    kwargs = dict(causal=causal, scale=0.3, window=window)
+    ref = reference_varlen(q, k, v, seqs, **kwargs)
+    torch.testing.assert_close(masked_reference_varlen(q, k, v, seqs, **kwargs), ref)
+    merged = masked_reference_varlen(q, k, v, PackedSequences.from_seqlens([8, 1]), **kwargs)
+    assert not torch.allclose(merged, ref, atol=1e-3)

@@ -108,7 +108,8 @@ def sequence_boundaries(
         indices = torch.arange(input_ids.numel(), device=input_ids.device)
     else:
         lengths = validate_attention_mask(attention_mask)
-        indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+        # the count is known on the host: a fixed-size nonzero needs no device sync (plain nonzero does)
+        indices = torch.nonzero_static(attention_mask.flatten(), size=sum(lengths)).flatten()
     if cu_seqlens is not None:
         seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         if sum(seqlens) != indices.numel():
@@ -228,7 +229,9 @@ def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, im
     to it; otherwise features would land in the wrong sample. Raises `ValueError` with transformers' wording
     ("Image features and image tokens do not match") plus the sequence it concerns."""
     seq_id = torch.repeat_interleave(
-        torch.arange(len(seqs.seqlens), device=flat_ids.device), torch.tensor(seqs.seqlens, device=flat_ids.device)
+        torch.arange(len(seqs.seqlens), device=flat_ids.device),
+        torch.tensor(seqs.seqlens, device=flat_ids.device),
+        output_size=flat_ids.numel(),  # known on the host: no device sync
     )
     counts = torch.zeros(2, len(seqs.seqlens), dtype=torch.long, device=flat_ids.device)
     counts[0].index_add_(0, seq_id, (flat_ids == config.image_token_id).long())

@@ -41,6 +41,8 @@ PACKING_PARAMETERS = (
     inspect.Parameter("cu_seqlens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=torch.Tensor | None),
     inspect.Parameter("max_seqlen", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None),
     inspect.Parameter("skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=bool | None),
+    # VisionCollator's host count of supervised targets: the loss selects them without a host sync
+    inspect.Parameter("num_supervised_tokens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None),
 )
 
 
@@ -209,12 +211,14 @@ def _loss_and_logits(
     want_logits: bool,
     options: RmpadOptions,
     sp: SPGroup | None = None,
+    num_supervised: int | None = None,
 ) -> tuple[CrossEntropySum | None, torch.Tensor | None]:
     """Σ CE over the flat row's supervised positions (per-sequence shift) and/or its ``(T, V)`` logits.
 
     Without logits the head runs in checkpointed chunks on supervised rows only; with them, once on all rows.
     Under sequence parallelism ``hidden`` is this rank's slice: the targets are shifted on the whole pack, then
     sliced; the CE is this slice's; logits (outputs only, no gradient) come from the gathered hidden states.
+    ``num_supervised`` (the collator's count for ``labels``) spares the loss its host sync.
     """
     targets = None
     if shift_labels is not None:
@@ -235,7 +239,12 @@ def _loss_and_logits(
         return ce, logits
     if not want_logits:
         ce = linear_cross_entropy_sum(
-            hidden, model.lm_head, targets, chunk_size=options.loss_chunk_size, use_liger=options.use_liger
+            hidden,
+            model.lm_head,
+            targets,
+            chunk_size=options.loss_chunk_size,
+            use_liger=options.use_liger,
+            num_supervised=num_supervised if shift_labels is None and labels is not None else None,
         )
         return ce, None
     logits = model.lm_head(hidden)
@@ -270,7 +279,15 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
         skip_logits = packing["skip_logits"]
         want_logits = not skip_logits if skip_logits is not None else not (supervised and self.training)
         ce, flat_logits = _loss_and_logits(
-            self, outputs.last_hidden_state[0], flat, labels, shift_labels, want_logits, options, sp
+            self,
+            outputs.last_hidden_state[0],
+            flat,
+            labels,
+            shift_labels,
+            want_logits,
+            options,
+            sp,
+            packing["num_supervised_tokens"],
         )
         if sp is None:
             loss = None if ce is None else reduce_loss(ce.loss_sum, ce.num_supervised, num_items_in_batch)

@@ -1,0 +1,134 @@
+"""Count the host syncs a piece of code issues, by the Python frame that issued them (a CPU proxy for the GPU).
+
+On a GPU these ops make the host wait until the device has drained its queue; on CPU they run without waiting,
+but the same ops are issued, so counting them on CPU predicts the GPU step's syncs::
+
+    aten op (TorchDispatchMode)                 why it waits for the device
+    _local_scalar_dense                         .item(), int(t), bool(t), `if t:`: a value read on the host
+    nonzero, masked_select, boolean index       output shape depends on the data
+    unique*, repeat_interleave (no output_size) output shape depends on the data
+
+``Tensor.tolist()`` copies device memory to the host without a dispatched scalar op, so a dispatch mode never
+sees it; `SyncCounter` records it separately (``host_reads``, through a ``TorchFunctionMode``), because on a
+GPU it waits too. ``torch._assert_async`` is not a sync (it raises on the device) and is not counted.
+
+Each sync is attributed to the first stack frame outside torch (``torch/``, ``torch.utils``, this module), e.g.
+``hf_packing/loss.py:123 linear_cross_entropy_sum`` or ``transformers/models/qwen2_vl/modeling_qwen2_vl.py:..``.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_THIS_FILE = str(Path(__file__))
+_ALWAYS_SYNC = {
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::_unique",
+    "aten::_unique2",
+    "aten::unique_dim",
+    "aten::unique_consecutive",
+    "aten::unique_dim_consecutive",
+}
+
+
+def _is_sync(func: Any, args: tuple, kwargs: dict) -> bool:
+    name = func._schema.name
+    if name in _ALWAYS_SYNC:
+        return True
+    if name == "aten::repeat_interleave":  # the Tensor-repeats overloads; an int repeat has a known size
+        return func._overloadname != "self_int" and kwargs.get("output_size") is None
+    if name in ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+    return False
+
+
+def origin() -> str:
+    """``path:line function`` of the innermost stack frame outside torch and this module."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_TORCH_DIR) and path != _THIS_FILE:
+            if "site-packages/" in path:
+                path = path.split("site-packages/", 1)[1]
+            else:
+                for top in ("/hf_packing/", "/tests/", "/benchmarks/"):
+                    if top in path:
+                        path = path[path.rindex(top) + 1 :]
+                        break
+            return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "<torch>"
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, counter: SyncCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_sync(func, args, kwargs):
+            self.counter.syncs[(func._schema.name.removeprefix("aten::"), origin())] += 1
+        return func(*args, **kwargs)
+
+
+class _Function(TorchFunctionMode):
+    def __init__(self, counter: SyncCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.tolist:
+            self.counter.host_reads[("tolist", origin())] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class SyncCounter:
+    """Context manager: counts syncing ops (``syncs``) and ``tolist`` host reads (``host_reads``) by origin.
+
+    ``syncs`` / ``host_reads``: ``Counter`` keyed by ``(op, "path:line function")``.
+    """
+
+    def __init__(self) -> None:
+        self.syncs: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.host_reads: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._modes = (_Function(self), _Dispatch(self))
+
+    def __enter__(self) -> SyncCounter:
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.syncs.values())
+
+    def by(self, package: str) -> int:
+        """Syncs whose origin path starts with ``package`` (e.g. ``"hf_packing/"``)."""
+        return sum(n for (_, where), n in self.syncs.items() if where.startswith(package))
+
+    def report(self) -> str:
+        """The totals and one line per (op, origin), for a test's or benchmark's printout."""
+
+        def lines(counter: collections.Counter) -> list[str]:
+            return [f"{n:4d}  {op:24s} {where}" for (op, where), n in sorted(counter.items(), key=lambda kv: kv[0][1])]
+
+        reads = sum(self.host_reads.values())
+        return "\n".join(
+            [f"syncs: {self.total}", *lines(self.syncs), f"tolist host reads: {reads}", *lines(self.host_reads)]
+        )

@@ -1,0 +1,125 @@
+"""`training_flops` against `torch.utils.flop_counter.FlopCounterMode`, module by module, every family.
+
+FlopCounterMode counts matmuls and convolutions (and sdpa only on CUDA kernels), so the references run with
+``attn_implementation="eager"``: attention becomes ``bmm`` calls, one per vision unit (frame or window) and one
+per text document (each document runs alone, unpadded). The text reference halves those ``bmm`` FLOPs (the
+convention counts causal attention as half the square) and adds the LM head's 6·H·V per token analytically.
+MoE experts run their eager loop (``grouped_mm`` is not counted). Qwen3.5's Gated DeltaNet recurrence is
+stubbed in the reference and its model-FLOP term 18·S·T left out of ours: the projections and the conv are
+compared, the recurrence's term is a convention (see `hf_packing.flops`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hf_packing.flops import text_flops
+from hf_packing.telemetry import training_flops
+from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
+
+#: an image-heavy pack (each image ≥ 1,000 patches, one with edge windows) and a video pack
+PACKS = {
+    "images": [[1, 32, 36], [1, 40, 26]],
+    "video": [[4, 12, 16]],
+}
+
+
+def _sum_outputs(output) -> torch.Tensor:
+    """Σ of every tensor in a tower output (pooler_output per item, DeepStack features, ...)."""
+    values = output.values() if hasattr(output, "values") else [output]
+    total = torch.zeros(())
+    for value in values:
+        for t in value if isinstance(value, (tuple, list)) else [value]:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                total = total + t.float().sum()
+    return total
+
+
+def _tower_reference(model, grid: torch.Tensor, train: bool) -> float:
+    tower = model.model.visual
+    in_dim = math.prod(tower.patch_embed.proj.weight.shape[1:])
+    pixels = torch.randn(int(grid.prod(-1).sum()), in_dim)
+    with FlopCounterMode(display=False) as counter:
+        if train:
+            _sum_outputs(tower(pixels, grid_thw=grid)).backward()
+        else:
+            with torch.no_grad():
+                tower(pixels, grid_thw=grid)
+    return float(counter.get_total_flops())
+
+
+@pytest.fixture(scope="module", params=MODEL_TYPES)
+def eager_model(request):
+    # eager experts: a loop of mm over the routed tokens (grouped_mm is not counted by FlopCounterMode)
+    return build_tiny_model(request.param, attn_implementation="eager", experts_implementation="eager").train()
+
+
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("frozen", [False, True])
+def test_vision_flops_equal_flop_counter_on_the_tower(eager_model, pack, frozen):
+    grid = torch.tensor(PACKS[pack])
+    eager_model.model.visual.requires_grad_(not frozen)
+    try:
+        reference = _tower_reference(eager_model, grid, train=not frozen)
+        ours = training_flops(eager_model, {"input_ids": torch.zeros(1, 8, dtype=torch.long), "image_grid_thw": grid})
+    finally:
+        eager_model.model.visual.requires_grad_(True)
+    print(f"{eager_model.config.model_type} {pack} frozen={frozen}: ours {ours['vision']:.4e} ref {reference:.4e}")
+    assert ours["vision"] == pytest.approx(reference, rel=0.03)
+
+
+def _text_reference(model, lengths: list[int]) -> float:
+    """Decoder layers run per document under FlopCounterMode, attention ``bmm`` halved, + LM head 6·H·V·T."""
+    config = model.config.get_text_config()
+    total = 0.0
+    for n in lengths:
+        embeds = torch.randn(1, n, config.hidden_size, requires_grad=True)
+        positions = torch.arange(n).expand(3, 1, -1)
+        with FlopCounterMode(display=False) as counter:
+            model.model.language_model(
+                inputs_embeds=embeds, position_ids=positions, use_cache=False
+            ).last_hidden_state.sum().backward()
+        ops = {str(op): c for op, c in counter.get_flop_counts()["Global"].items()}
+        if "aten.convolution_backward" in ops:
+            # Qwen3.5's depthwise conv: torch 2.14's counter ignores `groups` for the input gradient (129× the
+            # forward for 128 channels); its backward is the input + weight gradient, 2× the forward
+            ops["aten.convolution_backward"] = 2 * ops["aten.convolution"]
+        total += sum(c / 2 if op == "aten.bmm" else c for op, c in ops.items())
+    return total + 6.0 * config.hidden_size * config.vocab_size * sum(lengths)
+
+
+def _no_recurrence(query, key, value, g, beta, **kwargs):
+    """Gated DeltaNet's recurrence as an elementwise stand-in: its torch reference executes the chunked
+    algorithm's matmuls, not the model FLOPs, so the reference counts projections and conv only."""
+    return value * beta[..., None] + 0 * g[..., None, None].sum(), None
+
+
+@pytest.mark.parametrize("lengths", [[37], [64, 9, 120]])
+def test_text_flops_equal_flop_counter_on_the_decoder_layers(eager_model, lengths, monkeypatch):
+    ours = text_flops(eager_model, lengths)
+    config = eager_model.config.get_text_config()
+    expected = ours
+    if eager_model.config.model_type.startswith("qwen3_5"):
+        module = __import__(type(eager_model).__module__, fromlist=["torch_chunk_gated_delta_rule"])
+        monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", _no_recurrence)
+        state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+        expected -= 18.0 * config.layer_types.count("linear_attention") * state * sum(lengths)
+    reference = _text_reference(eager_model, lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    assert training_flops(eager_model, {"input_ids": torch.zeros(1, sum(lengths)), "cu_seqlens": cu})["text"] == ours
+    print(f"{eager_model.config.model_type} {lengths}: ours {expected:.6e} ref {reference:.6e}")
+    assert expected == pytest.approx(reference, rel=0.03)
+
+
+def test_negative_control_full_square_attention_is_off():
+    """Counting the causal attention as the full square must miss the reference by more than the tolerance."""
+    model = build_tiny_model("qwen2_5_vl", attn_implementation="eager").train()
+    config = model.config.get_text_config()
+    lengths = [200]
+    d = config.num_attention_heads * config.head_dim if getattr(config, "head_dim", None) else config.hidden_size
+    full_square = text_flops(model, lengths) + 6.0 * config.num_hidden_layers * d * 200**2
+    assert full_square != pytest.approx(_text_reference(model, lengths), rel=0.03)

@@ -1,0 +1,113 @@
+"""The host-sync gate: one training step (forward + backward) on a VisionCollator pack, counted op by op.
+
+Syncing ops (`hf_packing.testing.syncs`) are attributed to the Python frame that issued them. On the collator's
+batches (boundaries, M-RoPE positions and the supervised count computed in the DataLoader worker) hf_packing
+issues none; transformers' remaining ones (vision tower, placeholder checks) are printed with their origin, and
+none of them grows with the number of layers or sequences.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_packing
+from hf_packing import VisionCollator
+from hf_packing.patches import _attention
+from hf_packing.testing.syncs import SyncCounter
+from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
+from tests.conftest import FIXTURES, load_processor, processed_samples
+
+
+def _layers(model_type: str, n: int) -> dict:
+    text = {"num_hidden_layers": n}
+    if model_type.startswith("qwen3_5"):
+        text["layer_types"] = ["linear_attention", "full_attention"] * (n // 2)
+    return {"text_config": text}
+
+
+def _step(model, batch) -> SyncCounter:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with SyncCounter() as counter:
+        model(**batch).loss.backward()
+    return counter
+
+
+def gate(model_type: str) -> list[str]:
+    """Run the gate for one family; returns the failed conditions (empty: the gate holds)."""
+    processor = load_processor(model_type)
+    samples = processed_samples(processor)
+    packs = {2: [samples[1], samples[4]], 8: [samples[1], samples[4]] + [samples[0]] * 6}  # same vision, more text
+    totals, failures = {}, []
+    for layers in (2, 4):
+        model = build_tiny_model(model_type, processor_dir=FIXTURES / model_type, **_layers(model_type, layers))
+        collate = VisionCollator(processor, model_config=model.config)  # as recipes/train.py builds it
+        for n_seqs in (2, 8) if layers == 2 else (2,):
+            unpatched = _step(model, VisionCollator(processor)(packs[n_seqs])) if layers == 2 else None
+            hf_packing.apply_rmpad(model_type)
+            try:
+                patched = _step(model, collate(packs[n_seqs]))
+            finally:
+                hf_packing.revert_rmpad(model_type)
+            totals[layers, n_seqs] = patched.total
+            base = "-" if unpatched is None else unpatched.total
+            print(f"\n{model_type} layers={layers} seqs={n_seqs}: unpatched {base}, patched {patched.total}")
+            print(patched.report())
+            if patched.by("hf_packing/"):
+                failures.append(f"{patched.by('hf_packing/')} syncs from hf_packing at layers={layers} seqs={n_seqs}")
+            if unpatched is not None and patched.total > unpatched.total:
+                failures.append(f"patched {patched.total} > unpatched {unpatched.total} (layers={layers})")
+    if totals[2, 2] != totals[4, 2]:
+        failures.append(f"syncs grow with layers: {totals[2, 2]} at 2, {totals[4, 2]} at 4")
+    if totals[2, 2] != totals[2, 8]:
+        failures.append(f"syncs grow with sequences: {totals[2, 2]} at 2, {totals[2, 8]} at 8")
+    return failures
+
+
+#: two families in the default run (about 30 s each on CPU), the others under -m slow
+FAST = ("qwen2_5_vl", "qwen3_vl")
+
+
+@pytest.mark.parametrize(
+    "model_type", [t if t in FAST else pytest.param(t, marks=pytest.mark.slow) for t in MODEL_TYPES]
+)
+def test_training_step_makes_no_host_sync_of_its_own(model_type):
+    assert gate(model_type) == []
+
+
+def test_a_per_layer_item_in_attention_fails_the_gate(monkeypatch):
+    """Negative control: one ``.item()`` per attention call (per layer) must fail the gate."""
+    original = _attention.varlen_attention
+
+    def syncing(q, k, v, seqs, **kwargs):
+        if q.abs().sum().item() < 0:  # never true; the read is the point
+            raise AssertionError
+        return original(q, k, v, seqs, **kwargs)
+
+    monkeypatch.setattr(_attention, "varlen_attention", syncing)
+    failures = gate("qwen2_5_vl")
+    print(failures)
+    assert any("grow with layers" in f for f in failures)
+
+
+def test_counter_sees_each_kind_of_sync():
+    """The counter itself: each listed op counts once, its sync-free forms and `_assert_async` do not."""
+    x = torch.tensor([0, 2, 1, 3])
+    with SyncCounter() as counter:
+        x.sum().item()
+        x.nonzero()
+        x[x > 1]
+        torch.masked_select(x, x > 1)
+        x.unique()
+        x.repeat_interleave(x)
+        x.repeat_interleave(x, output_size=6)  # sync-free forms below
+        x.repeat_interleave(2)
+        torch.nonzero_static(x, size=3)
+        torch._assert_async(x.sum() == 6)
+        x.tolist()
+    ops = sorted(op for op, _ in counter.syncs)
+    print(counter.report())
+    assert ops == ["_local_scalar_dense", "_unique2", "index", "masked_select", "nonzero", "repeat_interleave"]
+    assert all(where.startswith("tests/test_syncs.py") for _, where in counter.syncs)
+    assert list(counter.host_reads.values()) == [1]
