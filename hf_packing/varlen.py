@@ -151,6 +151,14 @@ def _host_seqlens(seqs: PackedSequences) -> list[int]:
     return seqs.seqlens
 
 
+def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q / k / v in one promoted dtype, as SDPA needs them (under autocast SDPA casts them itself)."""
+    if q.dtype == k.dtype == v.dtype or torch.is_autocast_enabled(q.device.type):
+        return q, k, v
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 def reference_varlen(
     q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None, dropout: float = 0.0
 ) -> torch.Tensor:
@@ -162,9 +170,7 @@ def reference_varlen(
     """
     if torch.compiler.is_compiling():
         return masked_reference_varlen(q, k, v, seqs, causal=causal, scale=scale, window=window, dropout=dropout)
-    if not q.dtype == k.dtype == v.dtype and not torch.is_autocast_enabled(q.device.type):
-        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    q, k, v = _common_dtype(q, k, v)
     if q.shape[1] != k.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
@@ -188,9 +194,7 @@ def masked_reference_varlen(
 ) -> torch.Tensor:
     """`reference_varlen` as one SDPA with a dense ``(T, T)`` mask from ``cu_seqlens`` (no host value, one graph
     for any number of sequences; O(T²) memory, so for compiled CPU tests and small packs)."""
-    if not q.dtype == k.dtype == v.dtype and not torch.is_autocast_enabled(q.device.type):
-        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    q, k, v = _common_dtype(q, k, v)
     pos = torch.arange(q.shape[0], device=q.device)
     # the whole cu_seqlens (never of size 1, which torch.compile would specialise on), not cu_seqlens[1:]
     seq_id = torch.searchsorted(seqs.cu_seqlens.to(q.device, torch.int64), pos, right=True)

@@ -358,6 +358,13 @@ def test_prepare_trainer_refuses_liger_kernel_on_a_patched_model(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ two processes
+def _two_process_eval(work, label: str, timeout: float = 240, **config) -> list[dict]:
+    """tests/multiproc_eval.py on 2 gloo processes (``config`` as its docstring says); both ranks' results."""
+    proc, results, seconds = launch(work, timeout, helper=HELPER, **config)
+    check_ok(proc, results, seconds, label)
+    return results
+
+
 def _evaluated(results: list[dict], key: str) -> list[int]:
     """The sample indices both ranks evaluated under ``key``, sorted, fillers left out."""
     return sorted(i for r in results for batch in r["evaluated"][key] for i in batch if i >= 0)
@@ -389,20 +396,18 @@ def test_two_processes_evaluate_every_pack_once_and_match_one_process(
     eval_loss equals the one-process token-level reference; compute_metrics gets every label once. Negative control:
     without the eval half of `keep_rank_packs` accelerate re-shards each rank's stream (packs skipped), eval_loss
     moves."""
-    runs = {}
-    for fix in (True, False):
-        proc, results, seconds = launch(
+    runs = {
+        fix: _two_process_eval(
             tmp_path / f"fix{fix}",
-            240,
-            helper=HELPER,
+            f"2-process evaluation, keep_eval_packs={fix}",
             model=str(tiny_model),
             data=[eval_file],
             lengths=list(LENGTHS),
             keep_eval_packs=fix,
             patched=patched,
         )
-        check_ok(proc, results, seconds, f"2-process evaluation, keep_eval_packs={fix}")
-        runs[fix] = results
+        for fix in (True, False)
+    }
     for max_length in LENGTHS:
         key = f"eval_{max_length}"
         (r0, r1), broken = runs[True], runs[False][0]["metrics"]
@@ -431,12 +436,10 @@ def test_two_processes_evaluate_default_packs_exactly_once(tmp_path, tiny_model,
     through `PackedDataset.for_evaluation`, so every sample is evaluated once and eval_loss equals the one-process
     token-level mean. Negative control: without the view the last pack (7 packs of 256 tokens over 2 ranks) is left
     out and eval_loss moves."""
-    runs = {}
-    for view in (True, False):
-        proc, results, seconds = launch(
+    runs = {
+        view: _two_process_eval(
             tmp_path / f"view{view}",
-            240,
-            helper=HELPER,
+            f"2-process evaluation of default packs, view={view}",
             model=str(tiny_model),
             data=[eval_file],
             lengths=[LENGTHS[0]],
@@ -445,8 +448,8 @@ def test_two_processes_evaluate_default_packs_exactly_once(tmp_path, tiny_model,
             default_leftovers=True,
             no_eval_view=not view,
         )
-        check_ok(proc, results, seconds, f"2-process evaluation of default packs, view={view}")
-        runs[view] = results
+        for view in (True, False)
+    }
     for key in (f"eval_{LENGTHS[0]}", f"eval_{LENGTHS[0]}_as_train"):
         (r0, r1), broken = runs[True], runs[False][0]["metrics"]
         loss = r0["metrics"][f"{key}_loss"]
@@ -467,10 +470,10 @@ def test_two_processes_report_token_accuracy_in_every_precision(tmp_path, tiny_m
     """2 gloo processes, fp32 / bf16 weights / fp32 + bf16 autocast, with and without compute_metrics: both ranks
     report the same eval_token_accuracy, fp32 equal to the unpatched model sample by sample, low precision within 2x
     the plain error. Negative control: under autocast without the recorded counts the metric is missing."""
-    proc, results, seconds = launch(
+    results = _two_process_eval(
         tmp_path,
-        300,
-        helper=HELPER,
+        "2-process evaluation in 3 precisions",
+        timeout=300,
         model=str(tiny_model),
         data=[eval_file],
         lengths=[LENGTHS[0]],
@@ -479,7 +482,6 @@ def test_two_processes_report_token_accuracy_in_every_precision(tmp_path, tiny_m
         precisions=list(PRECISIONS),
         loss_only=True,
     )
-    check_ok(proc, results, seconds, "2-process evaluation in 3 precisions")
     (r0, r1), n = results, reference["n"]
     assert r0["metrics"] == r1["metrics"]
     for precision in PRECISIONS:

@@ -28,6 +28,8 @@ from ._forward import (
     bind_call,
     flatten_call,
     is_generation_call,
+    repad_hidden_states,
+    repad_router_logits,
     resolve_use_cache,
     run_backbone,
     without_packing,
@@ -62,10 +64,9 @@ def make_backbone_forward(original: Callable, spec: FamilySpec, options: RmpadOp
             hidden = hidden + dummy.to(hidden.dtype)
         outputs["last_hidden_state"] = flat.repad(hidden)
         if outputs.get("hidden_states") is not None:
-            # None where output_hidden_states=[indices] left a layer out
-            outputs["hidden_states"] = tuple(None if h is None else flat.repad(h[0]) for h in outputs.hidden_states)
-        if outputs.get("router_logits"):  # MoE, per layer (T, E) → the caller's (B·L, E), zeros at pads
-            outputs["router_logits"] = tuple(flat.repad(r).flatten(0, 1) for r in outputs.router_logits)
+            outputs["hidden_states"] = repad_hidden_states(outputs.hidden_states, flat)
+        if outputs.get("router_logits"):  # MoE
+            outputs["router_logits"] = repad_router_logits(outputs.router_logits, flat)
         return outputs
 
     return as_patched_forward(forward, original)

@@ -308,9 +308,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             logits=logits,
             past_key_values=None,
             attentions=outputs.get("attentions"),
-            hidden_states=None
-            if hidden_states is None
-            else tuple(None if h is None else flat.repad(_whole(h[0], flat, sp)) for h in hidden_states),
+            hidden_states=None if hidden_states is None else repad_hidden_states(hidden_states, flat, sp),
         )
         if spec.moe:
             fields.update(_moe_fields(self, spec, outputs, loss, ce, num_items_in_batch, flat, sp))
@@ -336,6 +334,18 @@ def as_patched_forward(forward: Callable, original: Callable) -> Callable:
 def _whole(hidden: torch.Tensor, flat: FlatBatch, sp: SPGroup | None) -> torch.Tensor:
     """A flat ``(T, ...)`` output: as is, or gathered from the SP ranks' slices (no gradient)."""
     return hidden if sp is None else sequence_parallel_.gather_sequence(hidden, sp, flat.indices.numel())
+
+
+def repad_hidden_states(states: tuple, flat: FlatBatch, sp: SPGroup | None = None) -> tuple:
+    """Per-layer ``(1, T, H)`` hidden states as the caller's ``(B, L, H)``, zeros at pads; a ``None`` entry (a layer
+    that ``output_hidden_states=[indices]`` left out) stays ``None``."""
+    return tuple(None if h is None else flat.repad(_whole(h[0], flat, sp)) for h in states)
+
+
+def repad_router_logits(router_logits: tuple, flat: FlatBatch, sp: SPGroup | None = None) -> tuple:
+    """Per-layer ``(T, E)`` router logits as transformers records them on the caller's rows: ``(B·L, E)``, zeros at
+    pads."""
+    return tuple(flat.repad(_whole(r, flat, sp)).flatten(0, 1) for r in router_logits)
 
 
 def _keep_logits(logits: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -383,5 +393,4 @@ def _moe_fields(
         if num_items_in_batch is not None:
             weight = weight * reduce_loss(loss.new_tensor(float(ce.num_supervised)), 0, num_items_in_batch)
         loss = loss + weight * aux_loss.to(loss.device)
-    repadded = tuple(flat.repad(_whole(r, flat, sp)).flatten(0, 1) for r in router_logits)
-    return {"loss": loss, "aux_loss": aux_loss, "router_logits": repadded}
+    return {"loss": loss, "aux_loss": aux_loss, "router_logits": repad_router_logits(router_logits, flat, sp)}
