@@ -270,7 +270,8 @@ def test_a_process_exiting_with_a_live_iterator_stops_its_thread_first(tmp_path,
     """A script ends while its iterator is still alive, held in a reference cycle (so no refcount drop closes it).
     The atexit hook stops and joins the producer before the interpreter finalises (a daemon thread still running
     then can abort the process); an atexit handler registered before it (so run after it) sees no producer left.
-    Negative control: with the hook unregistered that handler still sees the producer alive."""
+    Negative control: with the hook unregistered that handler still sees the producer alive (and the process may
+    abort on the way out)."""
     import subprocess
     import sys
 
@@ -298,9 +299,14 @@ print("producers at exit:", len(alive()), flush=True)
 """
     )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "producers at exit: 1" in proc.stdout
     assert f"producers after the hook: {0 if hook else 1}" in proc.stdout, proc.stdout
+    if hook:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        # Without the hook the interpreter finalises under a running producer: sometimes that exits 0, sometimes it
+        # aborts with SIGABRT ("terminate called without an active exception"), the flake #20 was filed for.
+        assert proc.returncode in (0, -6), proc.stderr[-3000:]
 
 
 def test_mixing_keeps_per_source_counts(data, tmp_path):
