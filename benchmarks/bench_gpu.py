@@ -329,12 +329,12 @@ def run_setting(
 ) -> dict[str, dict[str, Any]]:
     import torch
 
-    from hf_packing.patches import apply_rmpad, revert_rmpad
-    from hf_packing.sequence_parallel import COMM_TIMER
+    from hf_packing.patches import apply_rmpad, revert_rmpad, sequence_parallel_state
 
     cuda = device.type == "cuda"
     model.model.visual.requires_grad_(vision_trainable)
     results = {name: {"times": [], "peak": [], "comm": [], "loss": None, "error": None} for name, *_ in arms}
+    states = {}  # per SP size, the state of its first apply: its mesh and timer outlive the per-step reverts
     for i in range(warmup + steps):
         for name, kind, impl, backend, sp in arms:
             res = results[name]
@@ -343,8 +343,9 @@ def run_setting(
             batch = batches[kind][i]
             model.set_attn_implementation(impl)
             if backend:
-                apply_rmpad("qwen2_5_vl", attn_backend=backend, sequence_parallel_size=sp)
-            COMM_TIMER.enable(sp > 1)
+                apply_rmpad("qwen2_5_vl", attn_backend=backend, sequence_parallel_size=states.get(sp, sp))
+                states[sp] = sequence_parallel_state()
+                states[sp].timer.enable(sp > 1)
             try:
                 if cuda:
                     torch.cuda.synchronize()
@@ -370,7 +371,7 @@ def run_setting(
                 res["loss"] = float(loss.detach().float())
             if i >= warmup:
                 res["times"].append(dt)
-                res["comm"].append(COMM_TIMER.take() / dt)
+                res["comm"].append(states[sp].timer.take() / dt if sp in states else 0.0)
                 if cuda:
                     res["peak"].append(torch.cuda.max_memory_allocated())
             del loss
@@ -405,7 +406,8 @@ def run_setting(
             worst = torch.tensor([res["peak_gib"]], dtype=torch.float64, device=device)
             torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
             res["peak_gib"] = float(worst[0])
-    COMM_TIMER.enable(False)
+    for state in states.values():
+        state.timer.enable(False)
     return results
 
 

@@ -248,7 +248,8 @@ class PackingTelemetry(TrainerCallback):
         extra = [float(dropped is not None), dropped or 0.0]
         if reduce and torch.distributed.get_rank() != 0:
             extra = [0.0, 0.0]
-        self._host["comm_s"] += sequence_parallel.COMM_TIMER.take()
+        sp_state = sequence_parallel.current_state()
+        self._host["comm_s"] += 0.0 if sp_state is None else sp_state.timer.take()
         self._host["vision_flops"] = self._vision_flops()
         vec = torch.cat([acc, torch.tensor([self._host[k] for k in _HOST_KEYS] + extra, dtype=dtype, device=dev)])
         if reduce:
@@ -300,12 +301,16 @@ class PackingTelemetry(TrainerCallback):
         self._world = max(1, args.world_size if self.all_reduce else 1)
         if model is not None:
             self.attach(model)
-        sequence_parallel.COMM_TIMER.enable(sequence_parallel.current_size() > 1)
+        sp_state = sequence_parallel.current_state()
+        if sp_state is not None:
+            sp_state.timer.enable(sp_state.size > 1)
         self._start_window(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.detach()
-        sequence_parallel.COMM_TIMER.enable(False)
+        sp_state = sequence_parallel.current_state()
+        if sp_state is not None:
+            sp_state.timer.enable(False)
 
     def on_step_end(self, args, state, control, **kwargs):
         self._mark = time.perf_counter()

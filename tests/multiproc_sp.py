@@ -115,7 +115,7 @@ def run(
     group = rank // size
 
     import hf_packing
-    from hf_packing import VisionCollator, sequence_parallel
+    from hf_packing import VisionCollator, sequence_parallel, sequence_parallel_shard
     from hf_packing.testing.tiny import build_tiny_model
     from tests.conftest import FIXTURES, load_processor, processed_samples
 
@@ -182,16 +182,23 @@ def run(
     ref_calls = {k: len(v) for k, v in fla_calls.items()}
     linear_controls(control)
     if aux_per_shard:  # each rank's aux loss from its own tokens only (transformers' function on the shard)
-        MONKEYPATCH.setattr(sequence_parallel, "load_balancing_loss", _per_shard_aux)
-    originals = sequence_parallel.shard_position_ids, sequence_parallel.padded_sequences
+        MONKEYPATCH.setattr(sequence_parallel_shard, "load_balancing_loss", _per_shard_aux)
+    # the controls replace the functions where the text-model hook looks them up: the shard module
     if control == "positions":
-        sequence_parallel.shard_position_ids = lambda pos, sp: torch.arange(
-            sequence_parallel.padded_length(pos.shape[-1], sp.size) // sp.size, dtype=pos.dtype
-        ).expand(pos.shape[0], 1, -1)
-    elif control == "boundaries":
-        sequence_parallel.padded_sequences = lambda seqs, p: type(seqs).from_seqlens(
-            [sequence_parallel.padded_length(int(seqs.cu_seqlens[-1]), p)]
+        MONKEYPATCH.setattr(
+            sequence_parallel_shard,
+            "shard_position_ids",
+            lambda pos, sp: torch.arange(
+                sequence_parallel.padded_length(pos.shape[-1], sp.size) // sp.size, dtype=pos.dtype
+            ).expand(pos.shape[0], 1, -1),
         )
+    elif control == "boundaries":
+        MONKEYPATCH.setattr(
+            sequence_parallel_shard,
+            "padded_sequences",
+            lambda seqs, p: type(seqs).from_seqlens([sequence_parallel.padded_length(int(seqs.cu_seqlens[-1]), p)]),
+        )
+    state = sequence_parallel.current_state()  # apply_rmpad's: its timer is the one the telemetry reads
     if checkpointing:  # non-reentrant: backward recomputes each layer, its all-to-alls included
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config["mode"] == "fsdp":
@@ -212,7 +219,7 @@ def run(
     telemetry = PackingTelemetry()
     tower_rows: list[int] = []  # pixel rows (patches) this rank's tower encodes per call
     counting = model.model.visual.register_forward_pre_hook(lambda m, args: tower_rows.append(args[0].shape[0]))
-    sequence_parallel.COMM_TIMER.enable()
+    state.timer.enable()
     logged, aux_rel = torch.zeros(()), 0.0
     for batch, aux in zip(mine, ref_aux[2 * group : 2 * group + 2]):
         telemetry.observe(batch["input_ids"], batch)
@@ -253,15 +260,14 @@ def run(
     share = torch.tensor([sum(tower_rows), max(patches), len(tower_rows)], dtype=torch.float64)
     everyone = [torch.zeros_like(share) for _ in range(world)]
     dist.all_gather(everyone, share)
-    sequence_parallel.COMM_TIMER.enable(False)
+    state.timer.enable(False)
     pad = sum(sequence_parallel.padded_length(n, size) - n for n in lengths)
     trained.eval()
     with torch.no_grad(), amp:
         sp_eval = trained(**packs[2 * group])
-    sequence_parallel.shard_position_ids, sequence_parallel.padded_sequences = originals
     MONKEYPATCH.undo()
     n_local = torch.tensor(float(sp_eval.num_supervised_tokens))
-    dist.all_reduce(n_local, group=sequence_parallel.sp_group(size).group)
+    dist.all_reduce(n_local, group=state.group().group)
     worst = torch.tensor(
         [
             abs(float(sp_eval.loss) - float(ref_eval.loss)) / abs(float(ref_eval.loss)),
@@ -306,8 +312,8 @@ def run(
 
 
 def _per_shard_aux(router_logits, num_experts: int, top_k: int, sp, total: int):
-    """`sequence_parallel.load_balancing_loss` as it was before (the negative control): transformers' function on this
-    rank's shard alone, its router statistics never summed over the SP group."""
+    """`sequence_parallel_shard.load_balancing_loss` as it was before (the negative control): transformers'
+    function on this rank's shard alone, its router statistics never summed over the SP group."""
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
 
     return load_balancing_loss_func(router_logits, num_experts, top_k, None)

@@ -119,9 +119,10 @@ def test_text_model_hook_carries_and_checks_the_linear_head_layout():
 
 
 def test_telemetry_counts_the_padding_sp_adds():
+    import hf_packing
     from hf_packing.telemetry import PackingTelemetry
 
-    sp_mod.set_size(4)
+    hf_packing.apply_rmpad("qwen2_vl", sequence_parallel_size=4)  # the telemetry reads the applied SP state
     try:
         telemetry = PackingTelemetry(all_reduce=False)
         mask = torch.tensor([[1] * 6 + [0] * 3, [1] * 4 + [0] * 5])  # one pack of 10 real tokens → 12
@@ -130,7 +131,7 @@ def test_telemetry_counts_the_padding_sp_adds():
         counts = telemetry.counts()
         assert counts["real_tokens"] == 18 and counts["sp_padding_tokens"] == 2
     finally:
-        sp_mod.set_size(1)
+        hf_packing.revert_rmpad()
 
 
 def test_without_a_process_group_sp_raises_a_named_error():
@@ -141,13 +142,44 @@ def test_without_a_process_group_sp_raises_a_named_error():
     with pytest.raises(ValueError, match="sequence_parallel_size must be an int >= 1"):
         hf_packing.apply_rmpad("qwen2_vl", sequence_parallel_size=0)
     hf_packing.apply_rmpad("qwen2_vl", sequence_parallel_size=2)
-    assert sp_mod.current_size() == 2
+    assert sp_mod.current_size() == 2 and sp_mod.data_parallel_rank_world() == (0, 1)
     model = build_tiny_model("qwen2_vl")
     ids = torch.tensor([[1, 2, 3, 4]])
     with pytest.raises(ValueError, match="sequence_parallel_size=2 needs torch.distributed"):
         model(input_ids=ids, labels=ids)
     hf_packing.revert_rmpad()
-    assert sp_mod.current_size() == 1
+    assert sp_mod.current_size() == 1 and sp_mod.current_state() is None
+
+
+def test_sp_state_lives_in_the_applied_options():
+    """`apply_rmpad` creates one `SequenceParallelState` and binds it into its options: the patched forward, the
+    packer and the telemetry read that object; applying the same size again keeps it (and its mesh), another size
+    replaces it, a state passed back survives a revert, and `revert_rmpad` drops it with the patches."""
+    import hf_packing
+    from hf_packing.patches import sequence_parallel_state
+    from hf_packing.patches._forward import RmpadOptions
+    from hf_packing.sequence_parallel import SequenceParallelState
+
+    assert sequence_parallel_state() is None and RmpadOptions().sequence_parallel == SequenceParallelState(1)
+    try:
+        hf_packing.apply_rmpad("qwen2_vl", sequence_parallel_size=2)
+        state = sp_mod.current_state()
+        assert state is sequence_parallel_state() and state.size == 2 and state.device_mesh is None
+        hf_packing.apply_rmpad("qwen2_vl", sequence_parallel_size=2, attn_backend="reference")  # other options
+        assert sp_mod.current_state() is state  # same size: the same state (a built mesh is kept)
+        hf_packing.apply_rmpad("qwen2_vl", sequence_parallel_size=4)
+        assert sp_mod.current_state() is not state and sp_mod.current_size() == 4
+        hf_packing.revert_rmpad()
+        assert sp_mod.current_state() is None and sp_mod.current_size() == 1
+        hf_packing.apply_rmpad("qwen2_vl", sequence_parallel_size=state)  # a state handed back: kept
+        assert sp_mod.current_state() is state
+        with pytest.raises(ValueError, match="sequence parallelism of size 4 is not applied"):
+            sp_mod.sp_group(4)
+        assert sp_mod.sp_group(1) is None
+    finally:
+        hf_packing.revert_rmpad()
+    with pytest.raises(ValueError, match="sequence_parallel_size must be an int >= 1, got 0"):
+        SequenceParallelState(0)
 
 
 # ------------------------------------------------------------------------------------------ gloo, 2 and 4 processes

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .. import _compat
-from .. import sequence_parallel as _sequence_parallel
 from ..linear_attention import LINEAR_BACKENDS
+from ..sequence_parallel_state import SequenceParallelState
 from ..varlen import BACKENDS
 from ._attention import WRAPPED_IMPLEMENTATIONS, make_dispatcher, make_vision_flash_check
 from ._backbone import make_backbone_forward
@@ -110,7 +110,7 @@ def apply_rmpad(
     loss_chunk_size: int | None = None,
     use_liger: bool | None = None,
     linear_backend: str = "auto",
-    sequence_parallel_size: int = 1,
+    sequence_parallel_size: int | SequenceParallelState = 1,
 ) -> None:
     """Make Qwen-VL training padding-free. Call before (or after) loading the model; it patches classes.
 
@@ -127,7 +127,10 @@ def apply_rmpad(
         sequence_parallel_size (`int`): split each pack along the sequence over this many consecutive ranks
             (Ulysses; see `hf_packing.sequence_parallel`). The world size must be a multiple of it; ranks of one
             group must get the same pack (`pack_dataset` does it), and the number of attention heads (and of
-            Qwen3.5's linear-attention value heads) must be divisible by it.
+            Qwen3.5's linear-attention value heads) must be divisible by it. The state this creates (the size,
+            the mesh built on the first SP step, the comm timer) lives in the applied options
+            (`sequence_parallel_state()`) and goes with `revert_rmpad`; pass an earlier state back instead of the
+            size to keep its mesh across a revert (a benchmark that toggles the patches per step).
 
     The options are bound into the patched functions: applying again with the same options changes nothing,
     with other options it re-patches every applied family with them. Raises at apply time, never at import, for
@@ -136,12 +139,15 @@ def apply_rmpad(
     _compat.check_transformers_version()
     names = _normalise(model_type)
     _check_backend(attn_backend, linear_backend)
-    if not isinstance(sequence_parallel_size, int) or sequence_parallel_size < 1:
-        raise ValueError(f"sequence_parallel_size must be an int >= 1, got {sequence_parallel_size!r}")
-    options = RmpadOptions(
-        attn_backend, dummy_vision, loss_chunk_size, use_liger, linear_backend, sequence_parallel_size
+    sequence_parallel = (
+        sequence_parallel_size
+        if isinstance(sequence_parallel_size, SequenceParallelState)
+        else SequenceParallelState(sequence_parallel_size)
     )
-    _sequence_parallel.set_size(sequence_parallel_size)
+    previous = sequence_parallel_state()
+    if previous == sequence_parallel:  # same size: keep the mesh already built (its sub-groups exist on every rank)
+        sequence_parallel = previous
+    options = RmpadOptions(attn_backend, dummy_vision, loss_chunk_size, use_liger, linear_backend, sequence_parallel)
     applied = [n for n in _PATCHES.active() if n in FAMILIES]
     families = applied + [n for n in names if n not in applied]
     if families != applied or _PATCHES.options(_REGISTRY_GROUP) != options:
@@ -152,9 +158,14 @@ def revert_rmpad(model_type: str | Iterable[str] | None = None) -> None:
     """Undo `apply_rmpad` for the given families (all by default); the original functions come back (``is``)."""
     names = _normalise(model_type)
     remaining = [n for n in _PATCHES.active() if n in FAMILIES and n not in names]
-    if not remaining:
-        _sequence_parallel.set_size(1)
     _rebuild(remaining, _PATCHES.options(_REGISTRY_GROUP))
+
+
+def sequence_parallel_state() -> SequenceParallelState | None:
+    """The `SequenceParallelState` bound into the applied patches (``None`` when nothing is applied): what the
+    patched forwards, `pack_dataset` (data-parallel rank and world) and the telemetry read."""
+    options = _PATCHES.options(_REGISTRY_GROUP)
+    return None if options is None else options.sequence_parallel
 
 
 def is_applied(model_type: str) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,9 +26,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
 from .. import loss as loss_
-from .. import sequence_parallel as sequence_parallel_
+from .. import sequence_parallel_shard as shard_
 from ..loss import CrossEntropySum, cross_entropy_sum, linear_cross_entropy_sum, reduce_loss, shift_labels_per_sequence
-from ..sequence_parallel import SPGroup
+from ..sequence_parallel_comm import SPGroup, gather_sequence
+from ..sequence_parallel_state import SequenceParallelState
 from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS
 from ._flatten import FlatBatch, flatten_batch
 from ._spec import FamilySpec
@@ -55,7 +56,12 @@ class RmpadOptions:
     loss_chunk_size: int | None = None
     use_liger: bool | None = None
     linear_backend: str = "auto"
-    sequence_parallel_size: int = 1
+    #: created by `apply_rmpad(sequence_parallel_size=...)`: the SP size, its mesh and comm timer
+    sequence_parallel: SequenceParallelState = field(default_factory=SequenceParallelState)
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.sequence_parallel.size
 
 
 def _output_class(original: Callable, spec: FamilySpec) -> type:
@@ -181,7 +187,7 @@ def run_backbone(
     forward = backbone if forward is None else forward
     hook = None
     if sp is not None:
-        shard = sequence_parallel_.text_model_pre_hook(sp, flat.seqs, PACKED_KWARG)
+        shard = shard_.text_model_pre_hook(sp, flat.seqs, PACKED_KWARG)
         hook = backbone.language_model.register_forward_pre_hook(shard, with_kwargs=True)
     try:
         with tower_calls(backbone, **vision, dummy=dummy_vision, model_kwargs=model_kwargs, sp=sp) as dummy:
@@ -228,14 +234,14 @@ def _loss_and_logits(
     if sp is not None:
         ce = None
         if targets is not None:
-            local = sequence_parallel_.local_targets(targets, sp)
+            local = shard_.local_targets(targets, sp)
             ce = linear_cross_entropy_sum(
                 hidden, model.lm_head, local, chunk_size=options.loss_chunk_size, use_liger=options.use_liger
             )
         if not want_logits:
             return ce, None
         with torch.no_grad():
-            logits = model.lm_head(sequence_parallel_.gather_sequence(hidden, sp, flat.indices.numel()))
+            logits = model.lm_head(gather_sequence(hidden, sp, flat.indices.numel()))
         return ce, logits
     if not want_logits:
         ce = linear_cross_entropy_sum(
@@ -273,7 +279,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             router = model_kwargs.get("output_router_logits")
             default = "output_router_logits" in signature.parameters and self.config.text_config.output_router_logits
             model_kwargs["output_router_logits"] = bool(default) if router is None else router
-        sp = sequence_parallel_.sp_group(options.sequence_parallel_size)
+        sp = options.sequence_parallel.group()
         # evaluation too: FSDP2 / ZeRO-3 all-gather the tower's parameters in every forward, with or without grad
         outputs, dummy = run_backbone(self.model, flat, vision, model_kwargs, options.dummy_vision, sp)
         skip_logits = packing["skip_logits"]
@@ -292,11 +298,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
         if sp is None:
             loss = None if ce is None else reduce_loss(ce.loss_sum, ce.num_supervised, num_items_in_batch)
         else:
-            loss = (
-                None
-                if ce is None
-                else sequence_parallel_.sp_loss(ce.loss_sum, ce.num_supervised, num_items_in_batch, sp)
-            )
+            loss = None if ce is None else shard_.sp_loss(ce.loss_sum, ce.num_supervised, num_items_in_batch, sp)
             if num_items_in_batch is not None:  # the MoE aux weight below takes this rank's share of the count too
                 num_items_in_batch = num_items_in_batch / sp.size
         if loss is not None and dummy is not None:
@@ -333,7 +335,7 @@ def as_patched_forward(forward: Callable, original: Callable) -> Callable:
 
 def _whole(hidden: torch.Tensor, flat: FlatBatch, sp: SPGroup | None) -> torch.Tensor:
     """A flat ``(T, ...)`` output: as is, or gathered from the SP ranks' slices (no gradient)."""
-    return hidden if sp is None else sequence_parallel_.gather_sequence(hidden, sp, flat.indices.numel())
+    return hidden if sp is None else gather_sequence(hidden, sp, flat.indices.numel())
 
 
 def repad_hidden_states(states: tuple, flat: FlatBatch, sp: SPGroup | None = None) -> tuple:
@@ -375,7 +377,7 @@ def _moe_fields(
     (and multiplies by the number of processes), so the aux term is weighted by this micro-batch's share of
     the supervised tokens, ``n_local / num_items_in_batch``: its weights sum to 1 over micro-batches and ranks,
     like the unpatched ``1 / (steps · ranks)`` (equal to it when micro-batches hold equal token counts).
-    Under sequence parallelism the aux loss is the whole pack's (`sequence_parallel.load_balancing_loss`, over
+    Under sequence parallelism the aux loss is the whole pack's (`sequence_parallel_shard.load_balancing_loss`, over
     the pack's real tokens), and the SP ranks' weights sum to the pack's.
     """
     router_logits = outputs.get("router_logits")
@@ -385,7 +387,7 @@ def _moe_fields(
     if sp is None:
         aux_loss = spec.load().load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok, None)
     else:
-        aux_loss = sequence_parallel_.load_balancing_loss(
+        aux_loss = shard_.load_balancing_loss(
             router_logits, text.num_experts, text.num_experts_per_tok, sp, flat.indices.numel()
         )
     if loss is not None:

@@ -10,8 +10,8 @@ The patch replaces those two module attributes with wrappers: a call carrying ``
 varlen op of `hf_packing.linear_attention` (state and conv window restart at every boundary); every other call
 (the unpatched forward, generation, other batches) goes to the original function untouched. transformers'
 own fallbacks, unwrapped from their hub-kernel decorator, are the per-sequence reference. A packed call that also
-carries an `~hf_packing.sequence_parallel.SPGroup` (``hf_packing_sp``) holds one slice of the pack: the same op runs
-on this rank's heads over the whole pack, between Ulysses all-to-alls (`hf_packing.sequence_parallel_linear`).
+carries an `~hf_packing.sequence_parallel_comm.SPGroup` (``hf_packing_sp``) holds one slice of the pack: the same op
+runs on this rank's heads over the whole pack, between Ulysses all-to-alls (`hf_packing.sequence_parallel_linear`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from .. import linear_attention
-from ..sequence_parallel import SP_KWARG
+from ..sequence_parallel_comm import SP_KWARG
 from ..sequence_parallel_linear import ulysses_causal_conv1d, ulysses_gated_delta_rule
 from ._attention import PACKED_KWARG
 from ._patcher import Patch

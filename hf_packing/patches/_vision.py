@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from transformers.utils.generic import ModelOutput
 
-from ..sequence_parallel import SPGroup, encode_vision_split
+from ..sequence_parallel_comm import SPGroup
+from ..sequence_parallel_shard import encode_vision_split
 
 #: keyword prefixes transformers routes to one modality's encoder only; with one of them the calls stay apart.
 _MODALITY_PREFIXES = ("image_", "video_")
@@ -100,7 +101,7 @@ def tower_calls(
 
     Under sequence parallelism (``sp``) that one call encodes only this rank's share of the pack's temporal units
     (images and video frame groups, balanced by patches) and the features are all-gathered over the SP group
-    (`~hf_packing.sequence_parallel.encode_vision_split`); an SP rank that gets no unit encodes the dummy image.
+    (`~hf_packing.sequence_parallel_shard.encode_vision_split`); an SP rank that gets no unit encodes the dummy image.
     """
     inner = backbone
     dummy_terms: list[torch.Tensor] = []
