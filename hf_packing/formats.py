@@ -69,7 +69,7 @@ def detect_format(columns: Sequence[str] | None, name: str | None = None) -> str
         who = "the dataset" if name is None else f"source {name!r}"
         raise ValueError(
             f"{who} has neither a 'messages' nor a 'conversations' column (columns: {sorted(columns)}); "
-            "see the README's 'Row formats'"
+            "see docs/row_formats.md"
         )
     return "auto" if all(has) else "messages" if has[0] else "llava"
 

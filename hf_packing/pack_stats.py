@@ -191,7 +191,7 @@ def check_yield(stats: PackStats, *, groups: int, world: int) -> None:
     if failed or not sum(stats.kept.values()):
         raise NoSamplesError(
             "; ".join(failed or ["no source yielded a sample"]) + ". Check each source's row format, "
-            "media_root / video_root and the README's 'Row formats' (stats() counts every skip)"
+            "media_root / video_root and docs/row_formats.md (stats() counts every skip)"
         )
     if not groups:
         packs = stats.planned_packs

@@ -761,8 +761,8 @@ def pack_dataset(
     """Streams packs of processed multimodal samples: rank-equal, the same for any `num_workers`, resumable.
 
     Args:
-        ds (`datasets.Dataset`, `datasets.IterableDataset`, or a `dict` of them): HF-messages or LLaVA rows (see the
-            README's "Row formats"). A dict is mixed with `datasets.interleave_datasets`, counting rows and samples
+        ds (`datasets.Dataset`, `datasets.IterableDataset`, or a `dict` of them): HF-messages or LLaVA rows (see
+            docs/row_formats.md). A dict is mixed with `datasets.interleave_datasets`, counting rows and samples
             per source; each source keeps its own format. Rows are not shuffled here: shuffle `ds` first.
         processor: the model's processor (Qwen2-VL, Qwen2.5-VL and Qwen3-VL families).
         max_length (`int`, defaults to 8192): token budget per pack.

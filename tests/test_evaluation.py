@@ -270,7 +270,7 @@ def test_loss_only_evaluation_skips_the_logits_under_the_patch(tmp_path, tiny_mo
     assert _rel(metrics["eval_token_accuracy"], reference["accuracy"]) < REL
 
 
-#: The precision setups the README lists as verified: (weights' dtype, TrainingArguments(bf16=...), i.e. autocast).
+#: The precision setups docs/evaluation.md lists as verified: (weights' dtype, TrainingArguments(bf16=...): autocast).
 PRECISIONS = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "autocast": (torch.float32, True)}
 
 

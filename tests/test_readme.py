@@ -1,4 +1,6 @@
-"""Every ```python block of README.md runs as written, in a fresh process and an empty directory (CPU, offline)."""
+"""The README and docs/ stay true: every ```python block runs as written (a fresh process, an empty directory, CPU,
+offline), every relative link resolves, every docs/ page is linked from the README, and the README's file tree
+names every module, script and benchmark of the repository and nothing that is not there."""
 
 from __future__ import annotations
 
@@ -6,22 +8,31 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
 
-BLOCKS = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [
+    (f"{page.relative_to(ROOT)}-{i}", block)
+    for page in PAGES
+    for i, block in enumerate(re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M))
+]
+#: what the README's tree must cover: every file of these, by path relative to the repository root
+TREE_COVERS = ("hf_packing/**/*.py", "recipes/*.py", "benchmarks/*.py", "benchmarks/*.md", "docs/*.md")
 
 
 def test_the_readme_has_python_blocks_and_the_first_trains():
-    assert BLOCKS and ".train()" in BLOCKS[0]
+    assert BLOCKS and BLOCKS[0][0] == "README.md-0" and ".train()" in BLOCKS[0][1]
+    assert any(name.startswith("docs/trl.md") and "SFTTrainer" in block for name, block in BLOCKS)
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_python_block_runs_as_written(tmp_path, index):
-    """The first block (the Trainer example) must train a step and evaluate: its log lines carry train_loss and
-    eval_token_accuracy."""
+@pytest.mark.parametrize("name", [name for name, _ in BLOCKS])
+def test_readme_python_block_runs_as_written(tmp_path, name):
+    """The README's first block (the Trainer example) must train a step and evaluate: its log lines carry
+    train_loss and eval_token_accuracy."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -30,11 +41,99 @@ def test_readme_python_block_runs_as_written(tmp_path, index):
         "TOKENIZERS_PARALLELISM": "false",
         "CUDA_VISIBLE_DEVICES": "",
     }
-    (tmp_path / "block.py").write_text(BLOCKS[index])
+    (tmp_path / "block.py").write_text(dict(BLOCKS)[name])
     proc = subprocess.run(
         [sys.executable, "block.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    if index == 0:
+    if name == "README.md-0":
         print(re.findall(r"\{'(?:eval|train)_.*?\}", proc.stdout + proc.stderr))
         assert "'train_loss'" in proc.stdout + proc.stderr and "'eval_token_accuracy'" in proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------------------ links and the tree
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(page: Path) -> list[str]:
+    """The relative links of ``page`` (``[text](target)``, ``target#anchor``) whose file or heading is missing."""
+    text = page.read_text()
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):  # http(s):, mailto: — not checked offline
+            continue
+        path, _, fragment = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(target)
+        elif fragment and file.suffix == ".md":
+            headings = re.findall(r"^#+ (.*)$", file.read_text(), flags=re.M)
+            if fragment not in {anchor(h) for h in headings}:
+                broken.append(target)
+    return broken
+
+
+def tree_entries(readme: str) -> list[str]:
+    """The paths (relative to the root, globs allowed) named by the ```-block of the README's "## Layout" section:
+    a line without indent opens a folder (``recipes/``) or names a root file; indented lines name files in it."""
+    block = re.search(r"^## Layout\n+```\n(.*?)^```", readme, flags=re.S | re.M).group(1)
+    entries, folder = [], ""
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        name = line.split()[0]
+        if not line.startswith(" "):
+            folder = name if name.endswith("/") and len(line.split()) == 1 else ""
+            if not folder:
+                entries.append(name)
+        else:
+            entries.append(folder + name)
+    return entries
+
+
+def tree_problems(root: Path, entries: list[str], covers: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(entries that name no existing file, files under ``covers`` that no entry names)."""
+    stale = [e for e in entries if not (list(root.glob(e)) if "*" in e else (root / e).exists())]
+    named = {p.resolve() for e in entries for p in (root.glob(e) if "*" in e else [root / e])}
+    files = {p.resolve() for pattern in covers for p in root.glob(pattern) if "__pycache__" not in p.parts}
+    missing = sorted(str(p.relative_to(root.resolve())) for p in files - named)
+    return stale, missing
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    assert not broken_links(page), broken_links(page)
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    assert pages and [p.name for p in pages if f"](docs/{p.name})" not in readme] == []
+
+
+def test_the_readme_tree_names_every_file_and_only_files_that_exist():
+    stale, missing = tree_problems(ROOT, tree_entries((ROOT / "README.md").read_text()), TREE_COVERS)
+    assert not stale, f"the README's tree names files that do not exist: {stale}"
+    assert not missing, f"files missing from the README's tree (one line each): {missing}"
+
+
+def test_the_checks_find_a_missing_file_a_stale_entry_and_a_broken_link(tmp_path):
+    """Negative control on a tiny repository: a module left out of the tree, an entry for a deleted file, a link to
+    a missing page and one to a missing heading."""
+    (tmp_path / "pkg").mkdir()
+    for name in ("a.py", "b.py"):
+        (tmp_path / "pkg" / name).write_text("")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "x.md").write_text("# Topic X\n")
+    readme = "## Layout\n\n```\npkg/\n  a.py    one\n  gone.py deleted\ndocs/*.md   pages\nMakefile\n```\n"
+    (tmp_path / "README.md").write_text(readme + "[x](docs/x.md) [x](docs/x.md#topic-x) [y](docs/y.md) [z](#nope)\n")
+    entries = tree_entries(readme)
+    assert entries == ["pkg/a.py", "pkg/gone.py", "docs/*.md", "Makefile"]
+    stale, missing = tree_problems(tmp_path, entries, ("pkg/*.py", "docs/*.md"))
+    assert stale == ["pkg/gone.py", "Makefile"] and missing == ["pkg/b.py"]
+    assert broken_links(tmp_path / "README.md") == ["docs/y.md", "#nope"]
+    assert anchor("Sequence parallelism (Ulysses) for packs") == "sequence-parallelism-ulysses-for-packs"
