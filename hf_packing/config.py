@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .images import MAX_IMAGE_PIXELS
-from .planner import STRATEGIES
+from .planner import DEFAULT_STRATEGY, STRATEGIES
 
 __all__ = ["PackingConfig"]
 
@@ -59,7 +59,7 @@ class PackingConfig:
 
     max_length: int = field(default=8192, metadata=_help("token budget per pack"))
     strategy: str = field(
-        default="bfd",
+        default=DEFAULT_STRATEGY,
         metadata=_help(f"bin packing over the planner window: one of {STRATEGIES} (see hf_packing/planner.py)"),
     )
     max_images: int | None = field(default=16, metadata=_help("images per pack; a sample with more is skipped"))

@@ -11,7 +11,7 @@ the collator later pads each sample to a row or flattens the pack. A full pack a
     S: <|im_start|>role\n   u t: user text   V I I E: <|vision_start|> <|image_pad|>... <|vision_end|>
     a: assistant text   e: <|im_end|>, supervised with its turn
 
-How it works, without any collective:
+How it works, without any collective (1.-3. and 5. are a [`~hf_packing.replica.Replica`]'s work):
 
 1. **Plan on metadata, everywhere.** Every worker of every rank reads the same rows in the same order, gets each
    one's tokens / images / patches from the length index of a `datasets.Dataset` (built once, see
@@ -29,9 +29,9 @@ How it works, without any collective:
    interleaves workers round-robin, so the batches are the same, in the same order, for any `num_workers`. Only a
    worker's own packs get pixel processing ([`~hf_packing.data.Preprocessor.process`]), which checks the processed
    length against the planned one.
-4. **Producer thread.** Reading, planning and pixel work run in a background thread feeding a queue of `prefetch`
-   packs; its exceptions re-raise in the consumer; it stops when the iterator is closed or garbage-collected. A bad
-   row is skipped and counted ([`PackStats`]), never fatal (unless `on_error="raise"`).
+4. **Producer thread** ([`~hf_packing.producer`]). Reading, planning and pixel work run in a background thread
+   feeding a queue of `prefetch` packs; its exceptions re-raise in the consumer; it stops when the iterator is closed
+   or garbage-collected. A bad row is skipped and counted ([`PackStats`]), never fatal (unless `on_error="raise"`).
 5. **Resume.** `state_dict()` is the state after the last pack *yielded*: the planner's open packs, the packs
    planned but not yet assigned, the steps scheduled but not yet yielded, the counters, and the source position
    (`datasets` state_dict or a row number) of the oldest row still held plus the row where planning continues.

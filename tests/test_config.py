@@ -139,8 +139,8 @@ def restated(source: str, where: str = "<source>") -> list[str]:
     """Where `source` declares a PackingConfig setting again: a dataclass field of the same name, a function argument
     or keyword argument of the same name set to the setting's default, or a hand-written command-line flag for it."""
 
-    def is_default(name: str | None, value: ast.expr | None) -> bool:
-        return name in DEFAULTS and isinstance(value, ast.Constant) and value.value == DEFAULTS[name]
+    def is_default(name: str | None, value: ast.expr | None) -> bool:  # None: "not given", not a value restated
+        return name in DEFAULTS and isinstance(value, ast.Constant) and value.value == DEFAULTS[name] is not None
 
     found = []
     for node in ast.walk(ast.parse(source)):
@@ -173,18 +173,19 @@ def test_no_setting_is_declared_twice():
     assert [n for n, p in parameters.items() if p.default is not inspect.Parameter.empty] == list(RUNTIME)
     assert not set(RUNTIME) & set(NAMES)
     files = [ROOT / "recipes" / "train.py", *sorted((ROOT / "hf_packing" / "cli").glob("*.py"))]
-    assert len(files) >= 5
+    files += [ROOT / "hf_packing" / name for name in ("stream.py", "data.py", "planner.py")]  # the layers below
+    assert len(files) >= 8
     assert [hit for path in files for hit in restated(path.read_text(), path.name)] == []
     snippet = """
 class Args:
     max_length: int = 8192
 def pack(ds, buffer_size=1000, seed=3): ...
-pack_dataset(ds, processor, strategy="bfd", max_length=2048)
+pack_dataset(ds, processor, strategy="bfd", max_length=2048, media_root=None)
 parser.add_argument("--max-images", type=int, default=16)
 """
     assert restated(snippet) == [
         "<source>:3 field max_length",
         "<source>:4 buffer_size=1000",
-        "<source>:5 strategy='bfd'",  # max_length=2048 (and seed=3) is a choice, not the default restated
+        "<source>:5 strategy='bfd'",  # max_length=2048 and seed=3 are choices, media_root=None "not given"
         "<source>:6 flag --max-images",
     ]
