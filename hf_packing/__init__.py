@@ -15,6 +15,7 @@ __all__ = [
     "supported_model_types",
     "plan_packs",
     "pack_dataset",
+    "PackingConfig",
     "VisionCollator",
     "prepare_trainer",
     "end_distributed",
@@ -27,6 +28,7 @@ _LAZY = {
     "supported_model_types": "hf_packing.patches",
     "plan_packs": "hf_packing.planner",
     "pack_dataset": "hf_packing.stream",
+    "PackingConfig": "hf_packing.config",
     "VisionCollator": "hf_packing.collator",
     "prepare_trainer": "hf_packing.trainer",
     "end_distributed": "hf_packing.distributed",
@@ -34,6 +36,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from .collator import VisionCollator
+    from .config import PackingConfig
     from .distributed import end_distributed
     from .patches import apply_rmpad, revert_rmpad, supported_model_types
     from .planner import plan_packs

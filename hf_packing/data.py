@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .config import PackingConfig
 from .formats import FORMATS, normalize_row, row_fps
 from .images import MAX_IMAGE_PIXELS, REASONS, ImageLoader, OverlongError, SampleError
 from .loss import IGNORE_INDEX
@@ -148,9 +149,9 @@ class Preprocessor:
         video_root: str | os.PathLike | None = None,
         fps: float | None = None,
         videos_kwargs: Mapping[str, Any] | None = None,
-        row_format: str = "auto",
-        train_on: str = "assistant",
-        on_overlong: str = "drop",
+        row_format: str = PackingConfig.row_format,  # the defaults are pack_dataset's, declared once there
+        train_on: str = PackingConfig.train_on,
+        on_overlong: str = PackingConfig.on_overlong,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
         image_root: str | os.PathLike | None = None,
     ) -> None:

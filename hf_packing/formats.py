@@ -44,11 +44,19 @@ logger = logging.get_logger("hf_packing")
 
 # ------------------------------------------------------------------------------------------------ per source
 def per_source(value: Any, names: Sequence[str], setting: str, default: Any = None) -> dict[str | None, Any]:
-    """`value` for every source: one value for all, or a `{source name: value}` mapping (absent names: `default`).
+    """`value` for every source: one value for all, a list of one per source (in `names`' order) or a `{source name:
+    value}` mapping (absent names: `default`).
 
     A single dataset (no `names`) is the source `None`.
     """
     keys: list[str | None] = list(names) or [None]
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1 and len(value) != len(names):
+            raise ValueError(
+                f"{setting} has {len(value)} values for {len(keys)} source(s) {list(names)}: give one value, one per "
+                "source (in the mix's order) or {name: value}"
+            )
+        value = value[0] if len(value) == 1 else dict(zip(names, value, strict=True))
     if not isinstance(value, Mapping):
         return dict.fromkeys(keys, default if value is None else value)
     unknown = set(value) - set(keys)

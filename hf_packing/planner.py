@@ -38,9 +38,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["STRATEGIES", "Bin", "StreamingPlanner", "plan_packs"]
+__all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Bin", "StreamingPlanner", "plan_packs"]
 
 STRATEGIES: tuple[str, ...] = ("next_fit", "bfd")
+DEFAULT_STRATEGY = "bfd"  # plan_packs', StreamingPlanner's and PackingConfig's
 _STATE_VERSION = 3
 # Open packs are sorted ints `room << _SHIFT | bin_id`: `bisect` on plain ints stays in C, and equal room sorts
 # the oldest pack first.
@@ -128,7 +129,7 @@ class StreamingPlanner:
         self,
         *,
         max_length: int,
-        strategy: str = "bfd",
+        strategy: str = DEFAULT_STRATEGY,
         max_images: int | None = None,
         max_vision_patches: int | None = None,
         buffer_size: int | None = None,
@@ -511,7 +512,7 @@ def plan_packs(
     lengths: IntArray,
     *,
     max_length: int,
-    strategy: str = "bfd",
+    strategy: str = DEFAULT_STRATEGY,
     images: IntArray | None = None,
     max_images: int | None = None,
     vision_patches: IntArray | None = None,

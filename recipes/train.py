@@ -14,7 +14,7 @@ lines, FSDP2 / ZeRO notes and resuming.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable
@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+from hf_packing import PackingConfig
 
 logger = logging.getLogger("hf_packing.recipes")
 
@@ -66,28 +68,7 @@ class DataArguments:
         default_factory=list,
         metadata={"help": "json/jsonl/parquet/arrow file(s), globs, dirs of them, or saved datasets dirs"},
     )
-    media_root: list[str] | None = field(
-        default=None, metadata={"help": "where relative image/video paths start: one dir, or one per dataset_path"}
-    )
-    image_root: str | None = field(default=None, metadata={"help": "former name of media_root (one dir for all)"})
-    video_root: list[str] | None = field(
-        default=None, metadata={"help": "where relative video frame paths start (if not media_root): one, or one each"}
-    )
-    fps: list[float] | None = field(
-        default=None, metadata={"help": "sampling rate of pre-sampled video frames: one, or one per dataset_path"}
-    )
-    videos_kwargs: str | None = field(
-        default=None,
-        metadata={
-            "help": "video files' sampling and size, JSON in the video processors' names, e.g. "
-            '\'{"fps": 2, "max_frames": 64, "max_pixels": 200704}\' (one for all sources)'
-        },
-    )
-    row_format: list[str] | None = field(
-        default=None, metadata={"help": "auto | messages | llava: one, or one per dataset_path (default: detected)"}
-    )
     streaming: bool = field(default=False, metadata={"help": "read the data lazily (datasets streaming)"})
-    weights: list[float] | None = field(default=None, metadata={"help": "sampling weights, one per dataset_path"})
     shuffle_seed: int | None = field(default=None, metadata={"help": "shuffle rows first (pack_dataset does not)"})
     eval_dataset_path: list[str] = field(
         default_factory=list, metadata={"help": "eval file(s) or saved datasets dirs, read like dataset_path"}
@@ -95,22 +76,12 @@ class DataArguments:
     eval_split: float = field(
         default=0.0, metadata={"help": "rows held out of each dataset_path for eval: < 1 a fraction, >= 1 a count"}
     )
-
-
-@dataclass
-class PackingArguments:
-    max_length: int = field(default=8192, metadata={"help": "tokens per pack"})
-    strategy: str = field(default="bfd", metadata={"help": "bfd | next_fit"})
-    max_images: int | None = field(default=16, metadata={"help": "images per pack (pack_dataset's default)"})
-    max_vision_patches: int | None = field(
-        default=65536, metadata={"help": "Σ t·h·w vision patches per pack: bounds the vision tower's memory"}
-    )
-    buffer_size: int = field(default=1000, metadata={"help": "samples planned together"})
-    on_overlong: str = field(default="drop", metadata={"help": "what to do with a sample > max_length"})
     collator_mode: str = field(default="rows", metadata={"help": "rows (rmpad patch) | flat (transformers-native)"})
 
 
-PARSER_TYPES = (ModelArguments, DataArguments, PackingArguments, TrainingArguments)
+# Every pack_dataset setting comes from PackingConfig (per-source ones: one value, or a list of one per dataset_path).
+# `seed` is both PackingConfig's and TrainingArguments': one flag sets both (see parse_args).
+PARSER_TYPES = (ModelArguments, DataArguments, PackingConfig, TrainingArguments)
 
 
 #: TrainingArguments fields renamed inside the supported transformers range (new name -> old name).
@@ -122,12 +93,14 @@ _RENAMED = {
 
 def parse_args(
     argv: list[str] | None = None,
-) -> tuple[ModelArguments, DataArguments, PackingArguments, TrainingArguments]:
-    """``[config.yaml] [--flag value ...]``: the YAML sets defaults, flags after it override them."""
+) -> tuple[ModelArguments, DataArguments, PackingConfig, TrainingArguments]:
+    """``[config.yaml] [--flag value ...]``: the YAML sets defaults, flags after it override them. A key may be a
+    flag's alias (``image_root``: ``media_root``)."""
     import yaml
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(PARSER_TYPES)
+    # "resolve": the one `--seed` flag (TrainingArguments', the last) stands for both dataclasses' seed
+    parser = HfArgumentParser(PARSER_TYPES, conflict_handler="resolve")
     if argv and argv[0].endswith((".yaml", ".yml")):
         config = yaml.safe_load(Path(argv.pop(0)).read_text()) or {}
         known = {action.dest for action in parser._actions}
@@ -135,13 +108,19 @@ def parse_args(
             for a, b in ((new, old), (old, new)):
                 if a in config and a not in known and b in known:
                     config[b] = config.pop(a)
+        aliases = {o.lstrip("-").replace("-", "_"): a.dest for a in parser._actions for o in a.option_strings}
+        config = {aliases.get(key, key): value for key, value in config.items()}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"unknown keys in the config file: {unknown}")
         parser.set_defaults(**config)
         for action in parser._actions:  # a value from the YAML satisfies a required flag
             action.required = action.required and action.dest not in config
-    return parser.parse_args_into_dataclasses(args=argv)
+    namespace = vars(parser.parse_args(argv))
+    return tuple(  # like parse_args_into_dataclasses, but a name two dataclasses share reaches both
+        cls(**{f.name: namespace[f.name] for f in dataclasses.fields(cls) if f.init and f.name in namespace})
+        for cls in PARSER_TYPES
+    )
 
 
 def prepare_training_args(args: TrainingArguments) -> TrainingArguments:
@@ -193,13 +172,16 @@ def load_one(path: str, *, streaming: bool) -> Any:
     return datasets.load_dataset(_builder(first), data_files=data_files, split="train", streaming=streaming)
 
 
-def per_path(values: list[Any] | None, names: list[str], setting: str) -> Any:
-    """One value for every dataset_path, or `{source name: value}` when one is given per path."""
-    if not values or len(values) == 1:
-        return values[0] if values else None
-    if len(values) != len(names):
-        raise ValueError(f"{len(values)} {setting} values for {len(names)} dataset_path entries: give one, or one each")
-    return dict(zip(names, values, strict=True))
+#: PackingConfig settings that take one value per source
+PER_SOURCE = ("media_root", "video_root", "fps", "videos_kwargs", "row_format", "weights")
+
+
+def for_every_source(value: Any) -> Any:
+    """The value a per-source setting gives every source: itself, or the entry of a one-element list; `None` (the
+    setting's default) when it differs per source."""
+    if isinstance(value, (list, tuple)):
+        return value[0] if len(value) == 1 else None
+    return None if isinstance(value, dict) else value
 
 
 def hold_out(ds: Any, split: float, *, seed: int) -> tuple[Any, Any]:
@@ -241,20 +223,19 @@ def one_or_mix(sources: dict[str, Any]) -> Any:
 
 
 def pack_eval(
-    pack: Callable[..., Any], held_out: dict[str, Any], per_source: dict[str, Any], *, split: bool, batch_size: int
+    pack: Callable[..., Any], held_out: dict[str, Any], config: PackingConfig, *, split: bool, batch_size: int
 ) -> Any:
-    """`pack_dataset` (``pack``) for the eval rows: every row once (a mix is not oversampled) and every pack once on
-    any number of processes (``leftovers="spread"``). Rows held out (``split``) keep their source's settings; eval
-    files take the settings given once for all sources."""
-    if not split:
-        per_source = {k: None if isinstance(v, dict) else v for k, v in per_source.items()}
-    per_source = {**per_source, "row_format": per_source["row_format"] or "auto"}
+    """`pack_dataset` (``pack``, with ``config``) for the eval rows: every row once (a mix is not oversampled, its
+    weights do not apply) and every pack once on any number of processes (``leftovers="spread"``). Rows held out
+    (``split``) keep their source's settings; eval files take the settings given once for all sources."""
+    per_source = {} if split else {k: for_every_source(getattr(config, k)) for k in PER_SOURCE}
     return pack(
         one_or_mix(held_out),
+        config=config,
+        **{**per_source, "weights": None},
         batch_size=batch_size,
         stopping_strategy="all_exhausted_without_replacement",
         leftovers="spread",
-        **per_source,
     )
 
 
@@ -309,10 +290,9 @@ def main(argv: list[str] | None = None) -> Trainer:
     training_args = prepare_training_args(training_args)
     if not data_args.dataset_path:
         raise ValueError("set dataset_path (one or more local files / saved datasets dirs)")
-    if data_args.weights is not None and len(data_args.weights) != len(data_args.dataset_path):
-        raise ValueError(f"{len(data_args.weights)} weights for {len(data_args.dataset_path)} dataset_path entries")
-    if data_args.image_root and data_args.media_root:
-        raise ValueError("image_root is the former name of media_root: set one of them")
+    weights = packing.weights
+    if isinstance(weights, (list, dict)) and len(weights) != len(data_args.dataset_path):
+        raise ValueError(f"{len(weights)} weights for {len(data_args.dataset_path)} dataset_path entries")
 
     processor = AutoProcessor.from_pretrained(model_args.processor_name_or_path or model_args.model_name_or_path)
     sources = {}
@@ -326,24 +306,9 @@ def main(argv: list[str] | None = None) -> Trainer:
         raise ValueError(
             f"eval_strategy={training_args.eval_strategy.value!r} needs eval data: set eval_dataset_path or eval_split"
         )
-    names = list(sources)
-    per_source = {
-        "media_root": per_path(data_args.media_root, names, "media_root") or data_args.image_root,
-        "video_root": per_path(data_args.video_root, names, "video_root"),
-        "fps": per_path(data_args.fps, names, "fps"),
-        "row_format": per_path(data_args.row_format, names, "row_format") or "auto",
-    }
     pack = partial(
         pack_dataset,
         processor=processor,
-        max_length=packing.max_length,
-        strategy=packing.strategy,
-        max_images=packing.max_images,
-        max_vision_patches=packing.max_vision_patches,
-        buffer_size=packing.buffer_size,
-        seed=training_args.seed,
-        on_overlong=packing.on_overlong,
-        videos_kwargs=json.loads(data_args.videos_kwargs) if data_args.videos_kwargs else None,
         model_config=WorkCost.from_config(
             AutoConfig.from_pretrained(model_args.model_name_or_path),
             vision_trainable=not model_args.freeze_vision_tower,
@@ -351,11 +316,9 @@ def main(argv: list[str] | None = None) -> Trainer:
         rank=training_args.process_index // model_args.sequence_parallel_size,  # SP ranks share their packs
         world_size=training_args.world_size // model_args.sequence_parallel_size,
     )
+    # per-source lists follow dataset_path's order, the order of `sources`
     packs = pack(
-        one_or_mix(sources),
-        weights=data_args.weights,
-        batch_size=training_args.per_device_train_batch_size,
-        **per_source,
+        one_or_mix(sources), config=packing, batch_size=training_args.per_device_train_batch_size
     )  # a source that yields nothing raises NoSamplesError: no model is saved
     eval_packs = (
         None
@@ -363,13 +326,13 @@ def main(argv: list[str] | None = None) -> Trainer:
         else pack_eval(
             pack,
             held_out,
-            per_source,
+            packing,
             split=bool(data_args.eval_split),
             batch_size=training_args.per_device_eval_batch_size,
         )
     )
     model = load_model(model_args)
-    collator = VisionCollator(processor, mode=packing.collator_mode, model_config=model.config)
+    collator = VisionCollator(processor, mode=data_args.collator_mode, model_config=model.config)
     trainer = Trainer(
         model=model,
         args=training_args,

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from hf_packing.data import META_COLUMNS, Preprocessor
 from hf_packing.length_index import build_length_index, index_key
+from hf_packing.replica import preprocessors
 
 ROWS, ids, make = test_stream.ROWS, test_stream.ids, test_stream.make
 data, reference = test_stream.data, test_stream.reference  # its module-scoped fixtures
@@ -60,7 +61,7 @@ def test_indexed_planning_estimates_no_row_in_any_replica(data, on_disk, estimat
     assert all(t._source.lazy for t in trains)
     folder = Path(on_disk.cache_files[0]["filename"]).parent
     (cached,) = [f for f in os.listdir(folder) if f.startswith("cache-") and f.endswith(".arrow")]
-    assert index_key(on_disk, trains[0].cfg.preprocessors(data["processor"], [])[None]) in cached
+    assert index_key(on_disk, preprocessors(trains[0].cfg, data["processor"], [])[None]) in cached
     indexed = [_rank_packs(data, on_disk, r, length_index=True) for r in range(2)]
     assert estimates() == 0  # 2 ranks x 2 workers planned every row from the columns
     plain = [_rank_packs(data, on_disk, r, length_index=False) for r in range(2)]

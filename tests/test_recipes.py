@@ -93,25 +93,30 @@ def test_prepare_training_args_forces_pack_settings(train, caplog):
 
 
 def test_per_source_data_settings_take_one_value_or_one_per_path(train):
+    """PackingConfig's per-source settings from the YAML (image_root: media_root's alias) and flags (JSON lists);
+    pack_dataset maps a list onto the sources in dataset_path order; eval files keep only what is one for all."""
+    from hf_packing.formats import per_source
+
     names = ["0:coco", "1:clips"]
-    assert train.per_path(None, names, "fps") is None and train.per_path(["/d"], names, "media_root") == "/d"
-    assert train.per_path(["/c", "/v"], names, "media_root") == {"0:coco": "/c", "1:clips": "/v"}
-    with pytest.raises(ValueError, match="3 fps values for 2 dataset_path entries"):
-        train.per_path([1.0, 2.0, 3.0], names, "fps")
-    _, data_args, _, _ = train.parse_args(
+    _, _, packing, _ = train.parse_args([str(RECIPES / "configs/tiny_cpu.yaml")])
+    assert packing.media_root == "data"  # `image_root: data` in the YAML
+    _, _, packing, _ = train.parse_args(
         [
             str(RECIPES / "configs/tiny_cpu.yaml"),
             "--media_root",
-            "/c",
-            "/v",
+            '["/c", "/v"]',
             "--fps",
             "2",
             "--row_format",
-            "llava",
-            "messages",
+            '["llava", "messages"]',
         ]
     )
-    assert (data_args.media_root, data_args.fps, data_args.row_format) == (["/c", "/v"], [2.0], ["llava", "messages"])
+    assert (packing.media_root, packing.fps, packing.row_format) == (["/c", "/v"], 2.0, ["llava", "messages"])
+    assert per_source(packing.media_root, names, "media_root") == {"0:coco": "/c", "1:clips": "/v"}
+    assert per_source(["/d"], names, "media_root") == {"0:coco": "/d", "1:clips": "/d"}
+    with pytest.raises(ValueError, match=r"fps has 3 values for 2 source\(s\)"):
+        per_source([1.0, 2.0, 3.0], names, "fps")
+    assert [train.for_every_source(v) for v in (["/d"], ["/c", "/v"], {"0:coco": "/c"}, 2.0)] == ["/d", None, None, 2.0]
 
 
 def test_load_one_reads_local_files_and_saved_dirs(train, tmp_path):

@@ -281,12 +281,12 @@ def test_a_process_exiting_with_a_live_iterator_stops_its_thread_first(tmp_path,
 import atexit, sys, threading
 alive = lambda: [t for t in threading.enumerate() if t.name.startswith("hf_packing-") and t.is_alive()]
 atexit.register(lambda: print("producers after the hook:", len(alive()), flush=True))  # runs after stream's hook
-sys.path.insert(0, {str(Path(__file__).parent)!r})
+sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]  # conftest, this checkout
 from datasets import Dataset
 from conftest import load_processor
-from hf_packing import stream
+from hf_packing import producer, stream
 if not {hook}:
-    atexit.unregister(stream._stop_producers)
+    atexit.unregister(producer.stop_producers)
 rows = [{{"messages": [{{"role": "user", "content": "hi " * 20}}, {{"role": "assistant", "content": "ok " * 30}}]}}
         for _ in range(400)]
 packs = stream.pack_dataset(Dataset.from_list(rows), load_processor("qwen2_vl"), max_length=256, buffer_size=8,

@@ -5,47 +5,53 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from argparse import ArgumentDefaultsHelpFormatter
 from pathlib import Path
+from typing import Any
 
-from ..planner import STRATEGIES
+from ..config import PackingConfig
 from ..testing.tiny import MODEL_TYPES
 
 
 def _parser() -> argparse.ArgumentParser:
+    from transformers import HfArgumentParser
+
+    from .demo import DEMO_PACKING, DemoConfig
+
     parser = argparse.ArgumentParser(prog="hf-packing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="generate data, pack, patch and train a tiny Qwen-VL on CPU")
+    # every PackingConfig field is a flag of both commands (`--max_length` / `--max-length`), generated from the
+    # dataclass with its default and help
+    def packing() -> dict[str, Any]:  # a parent per command: argparse shares a parent's actions (and defaults)
+        return {
+            "parents": [HfArgumentParser(PackingConfig, add_help=False)],
+            "formatter_class": ArgumentDefaultsHelpFormatter,
+        }
+
+    demo = sub.add_parser("demo", help="generate data, pack, patch and train a tiny Qwen-VL on CPU", **packing())
+    demo.set_defaults(**DEMO_PACKING)
     demo.add_argument("--output-dir", type=Path, default=Path("demo_out"))
     demo.add_argument("--model", help="local checkpoint dir (default: a tiny random --model-type saved in output-dir)")
     demo.add_argument("--model-type", default="qwen2_5_vl", choices=MODEL_TYPES, help="family of the tiny model")
     demo.add_argument("--processor", help="local processor dir (default: the model dir)")
     demo.add_argument("--dataset", help="saved datasets dir or json/jsonl/parquet (default: generated)")
-    demo.add_argument("--num-samples", type=int, default=320)
-    demo.add_argument("--max-length", type=int, default=2048)
-    demo.add_argument("--strategy", default="bfd", choices=STRATEGIES)
-    demo.add_argument("--epochs", type=int, default=2)
-    demo.add_argument("--learning-rate", type=float, default=3e-3)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--num-samples", type=int, default=DemoConfig.num_samples)
+    demo.add_argument("--epochs", type=int, default=DemoConfig.epochs)
+    demo.add_argument("--learning-rate", type=float, default=DemoConfig.learning_rate)
 
-    stats = sub.add_parser("stats", help="packing statistics per strategy, from metadata only")
+    stats = sub.add_parser(
+        "stats", help="packing statistics of the configured strategy and the others, from metadata only", **packing()
+    )
     stats.add_argument("data", help="local json/jsonl/parquet/arrow file(s) or a saved datasets dir")
     stats.add_argument("--processor", required=True, help="local processor dir")
-    stats.add_argument("--max-length", type=int, required=True)
-    stats.add_argument("--strategy", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
-    stats.add_argument("--buffer-size", type=int, default=1000)
-    stats.add_argument("--max-images", type=int)
-    stats.add_argument("--max-vision-patches", type=int)
-    stats.add_argument("--media-root", "--image-root", dest="media_root", help="root of relative image/video paths")
-    stats.add_argument("--video-root", help="root of relative video frame paths, if not --media-root")
-    stats.add_argument("--fps", type=float, help="sampling rate of pre-sampled video frames (a row's 'fps' wins)")
-    stats.add_argument(
-        "--videos-kwargs",
-        help='video file sampling as JSON, e.g. \'{"fps": 1, "max_frames": 32, "max_pixels": 200704}\'',
-    )
-    stats.add_argument("--row-format", default="auto", choices=["auto", "messages", "llava"])
     stats.add_argument("--output", type=Path, default=Path("pack_stats.png"), help="histogram PNG")
     return parser
+
+
+def packing_config(args: argparse.Namespace) -> PackingConfig:
+    """The `PackingConfig` of parsed flags."""
+    return PackingConfig(**{name: getattr(args, name) for name in PackingConfig.names()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,11 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                 processor=args.processor,
                 dataset=args.dataset,
                 num_samples=args.num_samples,
-                max_length=args.max_length,
-                strategy=args.strategy,
                 epochs=args.epochs,
                 learning_rate=args.learning_rate,
-                seed=args.seed,
+                packing=packing_config(args),
             )
         )
         first, last = summary["loss first -> last"]
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from .stats import run_stats
 
-    run_stats(args)
+    run_stats(args, packing_config(args))
     return 0
 
 

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import PackingConfig
+
 logger = logging.getLogger("hf_packing")
+
+
+#: the demo's packing settings where they differ from PackingConfig's defaults: short packs for a CPU run
+DEMO_PACKING = {"max_length": 2048}
 
 
 @dataclass
@@ -25,11 +31,10 @@ class DemoConfig:
     processor: str | None = None  # default: the model dir
     dataset: str | None = None  # a saved datasets dir or json/jsonl/parquet; default: generated here
     num_samples: int = 320
-    max_length: int = 2048
-    strategy: str = "bfd"
     epochs: int = 2
     learning_rate: float = 3e-3
-    seed: int = 0
+    #: how the data is packed; its `seed` also seeds the model, the generated data and training
+    packing: PackingConfig = field(default_factory=lambda: PackingConfig(**DEMO_PACKING))
 
 
 def _prepare(cfg: DemoConfig) -> tuple[str, str, str]:
@@ -39,10 +44,10 @@ def _prepare(cfg: DemoConfig) -> tuple[str, str, str]:
     out = cfg.output_dir
     model_dir = cfg.model or str(out / f"tiny-{cfg.model_type}")
     if cfg.model is None and not (Path(model_dir) / "config.json").exists():
-        save_tiny_checkpoint(cfg.model_type, model_dir, seed=cfg.seed)
+        save_tiny_checkpoint(cfg.model_type, model_dir, seed=cfg.packing.seed)
     data_dir = cfg.dataset or str(out / "data")
     if cfg.dataset is None and not (Path(data_dir) / "dataset_info.json").exists():
-        save_synthetic_dataset(data_dir, cfg.num_samples, seed=cfg.seed)
+        save_synthetic_dataset(data_dir, cfg.num_samples, seed=cfg.packing.seed)
     return model_dir, cfg.processor or model_dir, data_dir
 
 
@@ -76,13 +81,13 @@ def run_demo(cfg: DemoConfig) -> dict:
     from .plots import plot_loss, plot_packs
 
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.packing.seed)
     model_dir, processor_dir, data_dir = _prepare(cfg)
     processor = AutoProcessor.from_pretrained(processor_dir)
     dataset = load_any_dataset(data_dir)
 
     started = time.perf_counter()
-    packed = pack_dataset(dataset, processor, max_length=cfg.max_length, strategy=cfg.strategy, seed=cfg.seed)
+    packed = pack_dataset(dataset, processor, cfg.packing)
     pack_ids = [[(sample["index"], sample["num_tokens"]) for sample in pack] for pack in packed]  # one pass
     packs = [[n for _, n in pack] for pack in pack_ids]
     in_order = [n for _, n in sorted(s for pack in pack_ids for s in pack)]  # a padded run sees dataset order
@@ -105,12 +110,12 @@ def run_demo(cfg: DemoConfig) -> dict:
         use_cpu=True,
         remove_unused_columns=False,
         dataloader_num_workers=0,
-        seed=cfg.seed,
+        seed=cfg.packing.seed,
         disable_tqdm=False,
     )
     collator = VisionCollator(processor, model_config=model.config)
     trainer = prepare_trainer(
-        Trainer(model=model, args=args, train_dataset=packed, data_collator=collator), max_length=cfg.max_length
+        Trainer(model=model, args=args, train_dataset=packed, data_collator=collator), max_length=cfg.packing.max_length
     )
     started = time.perf_counter()
     trainer.train()
@@ -121,7 +126,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     summary = {
         "samples": sum(map(len, packs)),
         "packs": len(packs),
-        "fill ratio": real_tokens / (len(packs) * cfg.max_length),
+        "fill ratio": real_tokens / (len(packs) * cfg.packing.max_length),
         "padding avoided": 1 - padded_fill_at_batch(in_order, PADDED_BATCH),  # same samples, same tokens
         "real tokens/s": cfg.epochs * real_tokens / train_seconds,
         "loss first -> last": (history[0][1], _tail_mean(history)),
@@ -129,7 +134,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         "train seconds": train_seconds,
         "dropped/skipped": dict(packed.stats(log=False)["skipped"]),  # overlong drops are a skip reason
     }
-    plot_packs(pack_ids, cfg.output_dir / "packs.png", max_length=cfg.max_length)
+    plot_packs(pack_ids, cfg.output_dir / "packs.png", max_length=cfg.packing.max_length)
     plot_loss([s for s, _ in history], [loss for _, loss in history], cfg.output_dir / "loss.png")
     print(format_summary(summary, cfg.output_dir))
     return summary

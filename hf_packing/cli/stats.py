@@ -1,22 +1,26 @@
 """``hf-packing stats``: how a dataset would pack, per strategy, from metadata only (no pixel decoding).
 
-Lengths come from `Preprocessor.estimate` (chat template + image and video headers + the processor's sampling and
-resize rules), so a pass costs ~0.1 ms per sample (~1 ms per video file); the planner then packs the numbers for
-each strategy. Videos and their `<|video_pad|>` tokens are reported on their own line.
+The settings are a [`~hf_packing.config.PackingConfig`] (its fields are the command's flags), read as
+`pack_dataset` reads them: lengths come from the same `Preprocessor.estimate` (chat template + image and video
+headers + the processor's sampling and resize rules; `on_overlong` applies), so a pass costs ~0.1 ms per sample (~1 ms
+per video file); the planner then packs the numbers with the configured strategy, then with each other one for
+comparison. Videos and their `<|video_pad|>` tokens are reported on their own line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import logging
 import sys
 from collections import Counter
 
+from ..config import PackingConfig
 from ..data import Preprocessor, SampleError, SkipCounter
 from ..formats import source_formats
 from ..pack_stats import pack_stats
-from ..planner import plan_packs
+from ..planner import STRATEGIES, plan_packs
+from ..replica import preprocessors
 
 logger = logging.getLogger("hf_packing")
 
@@ -42,8 +46,9 @@ def collect_metadata(dataset, preprocessor: Preprocessor, *, show_progress: bool
     return lengths, images, patches, skipped, {"videos": videos["videos"], "video_tokens": videos["video_tokens"]}
 
 
-def run_stats(args: argparse.Namespace) -> dict[str, dict]:
-    """Print a table per strategy and write the fill/length histogram; returns the per-strategy stats."""
+def run_stats(args: argparse.Namespace, config: PackingConfig | None = None) -> dict[str, dict]:
+    """Print a table per strategy (`config`'s first) for `args.data` with the processor at `args.processor`, write
+    the fill/length histogram to `args.output`; returns the per-strategy stats."""
     from transformers import AutoProcessor
 
     from .._compat import require_extra
@@ -53,59 +58,53 @@ def run_stats(args: argparse.Namespace) -> dict[str, dict]:
     from .demo import load_any_dataset
     from .plots import plot_stats
 
+    cfg = config or PackingConfig()
     processor = AutoProcessor.from_pretrained(args.processor)
     dataset = load_any_dataset(args.data)
-    preprocessor = Preprocessor(
-        processor,
-        max_length=None,
-        media_root=args.media_root,
-        video_root=args.video_root,
-        fps=args.fps,
-        videos_kwargs=json.loads(args.videos_kwargs) if args.videos_kwargs else None,
-        row_format=source_formats(dataset, args.row_format)[None],
-    )
-    show = sys.stderr.isatty()
+    cfg = dataclasses.replace(cfg, row_format=source_formats(dataset, cfg.row_format)[None])
+    preprocessor = preprocessors(cfg, processor, [])[None]  # the one pack_dataset would use
+    show = sys.stderr.isatty() and not cfg.disable_progress
     lengths, images, patches, skipped, videos = collect_metadata(dataset, preprocessor, show_progress=show)
     if not lengths:
         raise SystemExit(f"no usable samples in {args.data}; skipped: {dict(skipped)}")
     results, fills = {}, {}
-    for strategy in args.strategy:
+    for strategy in [cfg.strategy, *(s for s in STRATEGIES if s != cfg.strategy)]:
         packs = plan_packs(
             lengths,
-            max_length=args.max_length,
+            max_length=cfg.max_length,
             strategy=strategy,
             images=images,
-            max_images=args.max_images,
+            max_images=cfg.max_images,
             vision_patches=patches,
-            max_vision_patches=args.max_vision_patches,
-            buffer_size=args.buffer_size,
+            max_vision_patches=cfg.max_vision_patches,
+            buffer_size=cfg.buffer_size,
         )
-        stats = pack_stats(packs, lengths, args.max_length, images=images)
+        stats = pack_stats(packs, lengths, cfg.max_length, images=images)
         placed = {i for pack in packs for i in pack}
         dropped = Counter(
-            _drop_reason(i, lengths, images, patches, args) for i in range(len(lengths)) if i not in placed
+            _drop_reason(i, lengths, images, patches, cfg) for i in range(len(lengths)) if i not in placed
         )
         results[strategy] = {**stats, "dropped": dict(dropped), "skipped": dict(skipped), **videos}
-        fills[strategy] = [sum(lengths[i] for i in p) / args.max_length for p in packs]
-    print(format_table(results, len(lengths) + sum(skipped.values()), args))
+        fills[strategy] = [sum(lengths[i] for i in p) / cfg.max_length for p in packs]
+    print(format_table(results, len(lengths) + sum(skipped.values()), cfg))
     share = videos["video_tokens"] / sum(lengths)
     print(f"videos: {videos['videos']} in usable rows, {videos['video_tokens']:,} video tokens ({share:.1%} of tokens)")
-    plot_stats(fills, lengths, args.output, args.max_length)
+    plot_stats(fills, lengths, args.output, cfg.max_length)
     print(f"histogram: {args.output}")
     return results
 
 
-def _drop_reason(i: int, lengths, images, patches, args) -> str:
-    if lengths[i] > args.max_length:
+def _drop_reason(i: int, lengths, images, patches, cfg: PackingConfig) -> str:
+    if lengths[i] > cfg.max_length:
         return "longer_than_max_length"
-    if args.max_images is not None and images[i] > args.max_images:
+    if cfg.max_images is not None and images[i] > cfg.max_images:
         return "more_images_than_max_images"
     return "more_patches_than_max_vision_patches"
 
 
-def format_table(results: dict[str, dict], rows: int, args: argparse.Namespace) -> str:
+def format_table(results: dict[str, dict], rows: int, cfg: PackingConfig) -> str:
     header = f"{'strategy':<10} {'fill':>7} {'packs':>7} {'img/pack':>9} {'padded-8 fill':>14}  dropped / skipped"
-    lines = [f"{rows} rows, max_length={args.max_length}, buffer_size={args.buffer_size}", header, "-" * len(header)]
+    lines = [f"{rows} rows, max_length={cfg.max_length}, buffer_size={cfg.buffer_size}", header, "-" * len(header)]
     for name, r in results.items():
         reasons = ", ".join(f"{k}: {v}" for k, v in {**r["dropped"], **r["skipped"]}.items()) or "none"
         lines.append(

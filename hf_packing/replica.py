@@ -1,0 +1,292 @@
+"""The planner replica: one per (rank, DataLoader worker) of a [`~hf_packing.stream.PackedDataset`].
+
+A replica reads every row of the source, plans packs from metadata, schedules closed packs into rank-balanced groups
+and pixel-processes only the packs its rank and worker own (see [`~hf_packing.stream`]'s docstring, 1.-3. and 5.).
+Every replica reads the same rows and makes the same decisions, so replicas agree without communicating; the price is
+that each plans every row (a length index makes that a column read, [`~hf_packing.length_index`]).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .balance import WorkCost, schedule
+from .config import PackingConfig
+from .data import OverlongError, Preprocessor, SampleError, SampleMeta
+from .formats import per_source
+from .loss import IGNORE_INDEX
+from .pack_stats import PackStats, check_yield
+from .planner import StreamingPlanner
+from .sources import SOURCE_COLUMN
+from .video_sampling import per_source_videos_kwargs
+
+__all__ = ["Replica", "preprocessors"]
+
+
+def preprocessors(cfg: PackingConfig, processor: Any, names: list[str]) -> dict[str | None, Preprocessor]:
+    """One [`Preprocessor`] per source of `cfg` (key `None` for a single dataset), with that source's format and
+    roots."""
+    per = {k: per_source(getattr(cfg, k), names, k) for k in ("media_root", "video_root", "fps")}
+    videos_kwargs = per_source_videos_kwargs(cfg.videos_kwargs, names)
+    fmt = per_source(cfg.row_format, names, "row_format", "auto")
+    return {
+        n: Preprocessor(
+            processor,
+            max_length=cfg.max_length,
+            media_root=per["media_root"][n],
+            video_root=per["video_root"][n],
+            fps=per["fps"][n],
+            videos_kwargs=videos_kwargs[n],
+            row_format=fmt[n],
+            train_on=cfg.train_on,
+            on_overlong=cfg.on_overlong,
+            max_image_pixels=cfg.max_image_pixels,
+        )
+        for n in fmt
+    }
+
+
+class Replica:
+    """The planner replica of (`rank` of `world`, `worker` of `workers`) over `source` (a
+    [`~hf_packing.sources.make_source`] reader of the sources `names`): reads every row, plans, assigns packs to
+    ranks, processes its own. `cost` weighs a pack's work for rank balance; `position` is a saved
+    [`~Replica.position`] to resume from."""
+
+    def __init__(
+        self,
+        cfg: PackingConfig,
+        processor: Any,
+        source: Any,
+        names: list[str],
+        *,
+        cost: WorkCost,
+        epoch: int,
+        rank: int,
+        world: int,
+        worker: int,
+        workers: int,
+        position: dict[str, Any] | None,
+    ) -> None:
+        self.cfg, self.cost, self.source, self.epoch = cfg, cost, source, epoch
+        self.rank, self.world, self.worker, self.workers = rank, world, worker, workers
+        self.preprocessors = preprocessors(cfg, processor, names)
+        self.pad_id = next(iter(self.preprocessors.values())).tokenizer.pad_token_id or 0
+        self.planner = StreamingPlanner(
+            max_length=cfg.max_length,
+            strategy=cfg.strategy,
+            max_images=cfg.max_images,
+            max_vision_patches=cfg.max_vision_patches,
+            buffer_size=cfg.buffer_size,
+        )
+        # row -> (row, tokens, source, cost)
+        self.held: dict[int, tuple[dict[str, Any], int | None, str | None, float]] = {}
+        self.unassigned: list[list[int]] = []  # closed packs waiting for a full balance window
+        self.ready: list[list[list[int]]] = []  # scheduled groups (one pack per rank) not yet handed out
+        self.next_group = 0
+        self.source_positions: dict[int, Any] = {0: None}  # row -> source position before it (from the oldest held)
+        self.next_row, self.replay_until, self.replay = 0, 0, set()  # rows before replay_until: re-read, not planned
+        self.stats = PackStats(names)
+        self.stop = threading.Event()
+        if position is not None:
+            self._restore(position)
+        self.stats.planning_skips.log = self.rank == 0 and worker == 0  # one replica per run logs planning skips
+
+    # ------------------------------------------------------------------------------------------------ state
+    def position(self, planner: dict[str, Any]) -> dict[str, Any]:
+        """Where this replica stands, as plain data: `planner`, its planner's state (shared by the positions of one
+        batch of closed packs), the rows still held and the source position of the oldest, the row where planning
+        continues, the packs not yet assigned, the groups scheduled but not handed out, the group count and the
+        [`PackStats`] row."""
+        read_from = self._oldest()
+        return {
+            "planner": planner,
+            "held": list(self.held),
+            "read_from": read_from,
+            "source_state": self.source_positions[read_from],
+            "planned_until": self.next_row,
+            "unassigned": list(self.unassigned),
+            "ready": [list(g) for g in self.ready],
+            "next_group": self.next_group,
+            "stats": self.stats.to_row(),
+        }
+
+    def _restore(self, position: dict[str, Any]) -> None:
+        self.planner.load_state_dict(position["planner"])
+        self.replay = {int(i) for i in position["held"]}
+        self.next_row, self.replay_until = int(position["read_from"]), int(position["planned_until"])
+        self.source_positions = {self.next_row: position["source_state"]}
+        self.unassigned = [list(p) for p in position["unassigned"]]
+        self.ready = [[list(p) for p in group] for group in position["ready"]]
+        self.next_group = int(position["next_group"])
+        self.stats = PackStats.from_row(self.stats.sources, position["stats"])
+
+    # ------------------------------------------------------------------------------------------------ main loop
+    def run(self, put: Callable[[Any], bool] | None, *, progress: Any = None) -> None:
+        """Reads the whole source. With `put=None` only plans (counts groups); else `put(("pack", samples,
+        position))` for each owned pack, stopping early when `put` returns `False` or `stop` is set."""
+        for row, state_after in self.source.rows(self.source_positions[self.next_row], self.epoch):
+            if self.stop.is_set():
+                return
+            index, self.next_row = self.next_row, self.next_row + 1
+            self.source_positions[self.next_row] = state_after
+            if not self.next_row % 4096:  # bounded even when rows keep being skipped and no pack closes
+                self._prune()
+            if progress is not None:
+                progress.update(1)
+            if index < self.replay_until:  # re-reading the rows a resumed planner still holds
+                if index in self.replay:
+                    self._keep(index, row, count=False)
+                continue
+            meta = self._keep(index, row, count=True)
+            if meta is not None:
+                packs = self.planner.add(index, meta.num_tokens, meta.num_images, meta.vision_patches)
+                if packs and not self._assign_groups(packs, put):
+                    return
+        if not self._assign_groups(self.planner.flush(), put, final=True, spread=self.cfg.leftovers == "spread"):
+            return
+        self.stats.leftover_packs = len(self.unassigned)
+        self.stats.leftover_samples = sum(len(p) for p in self.unassigned)
+        self.stats.complete = 1
+        check_yield(self.stats, groups=self.next_group, world=self.world)
+
+    def _keep(self, index: int, row: dict[str, Any], *, count: bool) -> SampleMeta | None:
+        """Holds a row for planning and returns its metadata, or `None` when it is skipped (counted if `count`)."""
+        source = row.pop(SOURCE_COLUMN, None)
+        if count:
+            self.stats.rows[source] += 1
+        try:
+            meta = self.preprocessors[source].planned_meta(row, index)
+        except (OverlongError, ImportError):  # a setting or a missing video decoder: no row's fault, never skipped
+            raise
+        except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
+            if self.cfg.on_error == "raise":
+                raise
+            if count:
+                self._skip(err, index, source=source, planning=True)
+            else:  # planned before, failing now on resume: processing reports it
+                self.held[index] = (row, None, source, 0.0)
+            return None
+        for reason, value, name in (
+            ("too_many_images", meta.num_images, "max_images"),
+            ("too_many_vision_patches", meta.vision_patches, "max_vision_patches"),
+        ):
+            limit = getattr(self.cfg, name)
+            if limit is not None and value > limit:
+                if count:
+                    error = SampleError(reason, f"{value:,} > {name}={limit:,}; raise {name}")
+                    self._skip(error, index, source=source, planning=True)
+                return None
+        cost = self.cost.sample(meta.num_tokens, meta.vision_patches, meta.vision_sq)
+        self.held[index] = (row, meta.num_tokens, source, cost)
+        if count:
+            self.stats.add_padded(meta.num_tokens)
+            self.stats.kept[source] += 1
+        return meta
+
+    def _skip(self, err: Exception, index: int, *, source: str | None = None, planning: bool) -> None:
+        """Counts a skip and logs the first of each kind: while planning by (source, reason), once per run (every
+        replica plans every row); while processing by reason, on this replica."""
+        known = isinstance(err, SampleError)
+        reason = err.reason if known else "unexpected_error"
+        counter = self.stats.planning_skips if planning else self.stats.processing_skips
+        counter.record(
+            reason,
+            index,
+            str(err) if known else f"{type(err).__name__}: {err}",
+            key=(source, reason) if planning else reason,
+            exc_info=None if known else err,
+        )
+
+    def _assign_groups(
+        self,
+        packs: list[list[int]],
+        put: Callable[[Any], bool] | None,
+        *,
+        final: bool = False,
+        spread: bool = False,
+    ) -> bool:
+        """Schedules each full balance window of closed packs (at the end, `final`, every full group of `world`) into
+        groups of one pack per rank, then processes and `put`s this replica's. With `spread` (``leftovers="spread"``,
+        at the end) the last incomplete group goes one pack per rank, in rank order, ranks past its end getting a
+        1-token filler: every pack is yielded once and ranks take equal steps."""
+        self.stats.planned_packs += len(packs)
+        self.unassigned.extend(packs)
+        self._prune()
+        window = self.world * self.cfg.batch_size * self.cfg.balance_window if self.world > 1 else 1
+        while len(self.unassigned) >= window or (final and len(self.unassigned) >= self.world):
+            take = window if len(self.unassigned) >= window else len(self.unassigned) // self.world * self.world
+            chunk, self.unassigned = self.unassigned[:take], self.unassigned[take:]
+            costs = [sum(self.held[i][3] for i in pack) for pack in chunk]
+            groups = schedule(costs, world=self.world, per_rank=self.cfg.batch_size)
+            self.ready += [[chunk[k] for k in group] for group in groups]
+        planner = None  # the planner's state does not change here: taken once, when a position first needs it
+        while self.ready or (spread and self.unassigned):
+            if self.ready:
+                group = self.ready.pop(0)
+                pack = group[self.rank]
+            else:
+                group, self.unassigned = self.unassigned, []
+                pack = group[self.rank] if self.rank < len(group) else []
+            mine = put is not None and (self.next_group // self.cfg.batch_size) % self.workers == self.worker
+            self.next_group += 1
+            samples = self._process(pack) if mine else []
+            for i in (i for p in group for i in p):
+                self.held.pop(i, None)
+            if mine:
+                planner = planner or self.planner.state_dict()
+                if not put(("pack", samples, self.position(planner))):
+                    return False
+        return True
+
+    def _filler(self) -> dict[str, Any]:
+        """A 1-token sample without targets: a pack that keeps ranks in step and adds nothing to the loss."""
+        one = torch.ones(1, dtype=torch.long)
+        return {
+            "input_ids": one * self.pad_id,
+            "labels": one * IGNORE_INDEX,
+            "attention_mask": one,
+            "mm_token_type_ids": one * 0,
+            "num_tokens": 1,
+            "index": -1,
+        }
+
+    def _oldest(self) -> int:
+        return next(iter(self.held), self.next_row)  # rows are held in order
+
+    def _prune(self) -> None:
+        """Drops the source positions of rows older than the oldest row still held."""
+        oldest = self._oldest()
+        for row in [row for row in self.source_positions if row < oldest]:
+            del self.source_positions[row]
+
+    def _process(self, pack: list[int]) -> list[dict[str, Any]]:
+        """The processed samples of `pack`; a filler instead when it is empty or none of its samples can be used."""
+        samples = []
+        for index in pack:
+            row, planned, source, _ = self.held[index]
+            try:
+                sample = self.preprocessors[source].process(
+                    self.source.fetch(index) if self.source.lazy else row, index, planned_tokens=planned
+                )
+            except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
+                if self.cfg.on_error == "raise" or isinstance(err, (OverlongError, ImportError)):
+                    raise
+                self._skip(err, index, planning=False)
+                continue
+            samples.append(sample)
+            self.stats.samples[source] += 1
+            if "video_grid_thw" in sample:
+                self.stats.videos += len(sample["video_grid_thw"])
+                self.stats.video_tokens += int((sample["input_ids"] == self.preprocessors[source].video_id).sum())
+        if not samples:  # keep ranks in step with a 1-token, unsupervised filler
+            if pack:  # every sample failed to decode
+                self.stats.processing_skips["empty_pack"] += 1
+            samples = [self._filler()]
+        self.stats.packs += 1
+        self.stats.tokens += sum(s["num_tokens"] for s in samples)
+        self.stats.images += sum(len(s["image_grid_thw"]) for s in samples if "image_grid_thw" in s)
+        return samples
