@@ -69,6 +69,7 @@ from .length_index import with_length_index
 from .loss import IGNORE_INDEX
 from .pack_stats import PADDED_BATCH, PackStats, check_yield
 from .planner import StreamingPlanner
+from .source_ids import SOURCE_ID, SourceTagger
 from .sources import SOURCE_COLUMN, make_source
 from .video_sampling import per_source_videos_kwargs
 
@@ -143,6 +144,7 @@ class PackConfig:
     balance_window: int
     length_index: Any
     index_num_proc: int | None
+    source_column: str | None = None
 
     def preprocessors(self, processor: Any, names: list[str]) -> dict[str | None, Preprocessor]:
         """One [`Preprocessor`] per source (key `None` for a single dataset), with that source's format and roots."""
@@ -176,6 +178,7 @@ class _Replica:
         self.source, self.epoch, (self.rank, self.world) = dataset._source, dataset._epoch, dataset._rank_world()
         self.worker, self.workers = worker, workers
         self.preprocessors = cfg.preprocessors(dataset.processor, dataset._names)
+        self.tag_source = dataset.source_tagger
         self.pad_id = next(iter(self.preprocessors.values())).tokenizer.pad_token_id or 0
         self.planner = StreamingPlanner(
             max_length=cfg.max_length,
@@ -354,6 +357,7 @@ class _Replica:
             "mm_token_type_ids": one * 0,
             "num_tokens": 1,
             "index": -1,
+            **({SOURCE_ID: 0} if self.tag_source else {}),  # no targets: adds nothing to source 0
         }
 
     def _oldest(self) -> int:
@@ -371,14 +375,16 @@ class _Replica:
         for index in pack:
             row, planned, source, _ = self.held[index]
             try:
-                sample = self.preprocessors[source].process(
-                    self.source.fetch(index) if self.source.lazy else row, index, planned_tokens=planned
-                )
+                raw = self.source.fetch(index) if self.source.lazy else row
+                source_id = self.tag_source(source, raw) if self.tag_source else None
+                sample = self.preprocessors[source].process(raw, index, planned_tokens=planned)
             except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
                 if self.cfg.on_error == "raise" or isinstance(err, (OverlongError, ImportError)):
                     raise
                 self._skip(err, index, planning=False)
                 continue
+            if source_id is not None:
+                sample[SOURCE_ID] = source_id
             samples.append(sample)
             self.stats.samples[source] += 1
             if "video_grid_thw" in sample:
@@ -426,6 +432,9 @@ class PackedDataset(torch.utils.data.IterableDataset):
         self.sequence_parallel_size = sequence_parallel_size
         self.weights = dict(weights) if isinstance(weights, Mapping) else list(weights) if weights is not None else None
         names = [str(n) for n in ds] if isinstance(ds, Mapping) else []
+        self.source_tagger = SourceTagger(ds, cfg.source_column)
+        #: the sources samples are tagged with (``sample["source_id"]`` indexes it); empty when untagged
+        self.source_names = list(self.source_tagger.names)
         pres = cfg.preprocessors(processor, names)  # validates the settings here rather than in a worker
         if isinstance(ds, Mapping):
             ds = {name: self._indexed(part, pres[str(name)]) for name, part in ds.items()}
@@ -757,6 +766,7 @@ def pack_dataset(
     length_index: bool | str | os.PathLike = "auto",
     index_num_proc: int | None = None,
     sequence_parallel_size: int | None = None,
+    source_column: str | None = None,
 ) -> PackedDataset:
     """Streams packs of processed multimodal samples: rank-equal, the same for any `num_workers`, resumable.
 
@@ -822,12 +832,15 @@ def pack_dataset(
             usable cores, at most 32).
         sequence_parallel_size (`int`, *optional*): ranks that split one pack (`apply_rmpad`'s
             `sequence_parallel_size`, its default): consecutive ranks `[d·P, (d+1)·P)` get the same packs.
+        source_column (`str`, *optional*): the column naming each row's source, for per-source loss and accuracy
+            (a dict `ds` is tagged by its keys without it); see `hf_packing/source_ids.py`.
 
     Returns:
         [`PackedDataset`]: a `torch.utils.data.IterableDataset` of packs with `state_dict()`, `load_state_dict()`,
         `stats()`, `count_packs()`, and `len()` once counted. Each sample also carries `index`, its position in the
-        (mixed) input stream. A pass in which a source that had rows kept none of them, or no rank got a pack, ends
-        with [`~hf_packing.pack_stats.NoSamplesError`] naming the source and its top skip reasons.
+        (mixed) input stream, and, from a mix or with `source_column`, `source_id` (into `source_names`). A pass in
+        which a source that had rows kept none of them, or no rank got a pack, ends with
+        [`~hf_packing.pack_stats.NoSamplesError`] naming the source and its top skip reasons.
 
     Example:
 
