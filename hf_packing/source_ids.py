@@ -10,7 +10,8 @@ count and argmax hit to its source's slot (`hf_packing.loss`)::
     cu_seqlens  [0, 3, 7, 9]       source_ids = [0, 1, 0]
     per source  Σ CE, supervised tokens, correct argmax:  (3, num_sources), on the device, no host sync
 
-Metric names: training logs ``loss/<name>`` and ``token_accuracy/<name>`` (`hf_packing.telemetry`), evaluation
+Metric names: training logs ``loss/<name>``, ``token_accuracy/<name>`` and ``supervised_tokens/<name>``
+(`hf_packing.telemetry`), evaluation
 ``<prefix>_<name>_loss`` and ``<prefix>_<name>_token_accuracy`` (`hf_packing.evaluation`).
 """
 
@@ -76,8 +77,11 @@ class SourceTagger:
         return self._ids[str(name)]
 
 
-def per_source_metrics(names: list[str], sums: list[float], *, loss_key: str, accuracy_key: str) -> dict[str, float]:
-    """``{loss_key.format(name): Σ CE / n, accuracy_key.format(name): correct / n}`` for each source with n > 0.
+def per_source_metrics(
+    names: list[str], sums: list[float], *, loss_key: str, accuracy_key: str, count_key: str | None = None
+) -> dict[str, float]:
+    """``{loss_key.format(name): Σ CE / n, accuracy_key.format(name): correct / n}`` for each source with n > 0, and
+    ``count_key.format(name): n`` for every source when ``count_key`` is given.
 
     Args:
         names: the source names, in id order.
@@ -90,6 +94,8 @@ def per_source_metrics(names: list[str], sums: list[float], *, loss_key: str, ac
     metrics = {}
     for i, name in enumerate(names):
         ce, n, correct = sums[i], sums[k + i], sums[2 * k + i]
+        if count_key is not None:
+            metrics[count_key.format(name)] = n
         if n > 0:
             metrics[loss_key.format(name)] = ce / n
             metrics[accuracy_key.format(name)] = correct / n

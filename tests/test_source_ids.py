@@ -135,5 +135,5 @@ def test_per_source_sums_equal_the_dense_reference(grad):
 
 def test_per_source_metrics_skip_sources_without_tokens():
     sums = [6.0, 0.0, 3.0, 0.0, 2.0, 0.0]  # Σ CE, n, correct for sources a, b
-    got = per_source_metrics(["a", "b"], sums, loss_key="loss/{}", accuracy_key="token_accuracy/{}")
-    assert got == {"loss/a": 2.0, "token_accuracy/a": 2.0 / 3.0}
+    got = per_source_metrics(["a", "b"], sums, loss_key="loss/{}", accuracy_key="token_accuracy/{}", count_key="n/{}")
+    assert got == {"n/a": 3.0, "loss/a": 2.0, "token_accuracy/a": 2.0 / 3.0, "n/b": 0.0}
