@@ -9,6 +9,9 @@ Labels shift inside each sequence of the flat stream; the last token of every se
 Logits are computed only for positions that have a target, in chunks of ``chunk_size`` rows, each chunk
 recomputed in backward (activation checkpointing). At 16k tokens and a 151k vocabulary that is the
 difference between ~10 GB of fp32 logits and ~1 GB for one chunk.
+
+Per source (`counting_sources`, `hf_packing.source_ids`): each chunk also adds its tokens' CE, count and argmax hits
+to a ``(3, num_sources)`` buffer with ``index_add_`` (fixed shapes: no host sync, no logits beyond the chunk's own).
 """
 
 from __future__ import annotations
