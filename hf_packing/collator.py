@@ -30,6 +30,7 @@ import torch
 
 from .data import VISION_KEYS
 from .loss import IGNORE_INDEX
+from .source_ids import SOURCE_ID
 
 logger = logging.getLogger("hf_packing")
 
@@ -90,7 +91,9 @@ class VisionCollator:
             key to its vision tower, which reads it as its own.
 
     Both modes add ``num_supervised_tokens`` (int), the host count of supervised targets: with it the patched loss
-    selects them without a host sync (an unpatched model ignores the key).
+    selects them without a host sync (an unpatched model ignores the key). When the samples carry ``source_id``
+    (`pack_dataset` of a ``{name: dataset}`` mix, or with ``source_column``), both modes add ``source_ids``, int64
+    ``(n_seqs,)``: each sequence's source, in ``cu_seqlens`` order, for the per-source loss (`hf_packing.source_ids`).
 
     Returns (``__call__``), ``"rows"``: ``input_ids``/``labels``/``attention_mask``/``mm_token_type_ids`` ``(B, L)``,
     the concatenated vision tensors, optional ``position_ids (3, B, L)``, ``cu_seqlens`` int32 ``(B+1,)`` and
@@ -208,6 +211,7 @@ class VisionCollator:
             else self._flat(ids, labels, types, positions)
         )
         batch.update(self._vision(samples))
+        batch.update(_source_ids(samples))
         return batch
 
     def _rows(self, ids, labels, types, positions) -> dict[str, Any]:
@@ -270,6 +274,19 @@ def _num_supervised(labels: list[torch.Tensor]) -> int:
     """Supervised next-token targets: every label but -100 (each sample's first label is -100, so shifting the
     labels inside each sample drops none of them). The patched loss selects them without a host sync."""
     return int(sum(int((t != IGNORE_INDEX).sum()) for t in labels))
+
+
+def _source_ids(samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """``{"source_ids": (n_seqs,) int64}`` when the samples carry ``source_id``; all of them or none must."""
+    tagged = [s.get(SOURCE_ID) is not None for s in samples]
+    if not any(tagged):
+        return {}
+    if not all(tagged):
+        raise ValueError(
+            f"{tagged.count(False)} of {len(samples)} samples carry no {SOURCE_ID!r} while the others do; samples "
+            "from pack_dataset of a {name: dataset} mix (or with source_column) cannot share a batch with untagged ones"
+        )
+    return {"source_ids": torch.tensor([int(s[SOURCE_ID]) for s in samples], dtype=torch.long)}
 
 
 def _cu_seqlens(lengths: list[int]) -> torch.Tensor:

@@ -187,6 +187,13 @@ class PackingConfig:
             "processes building the length index (default: 1 below 20,000 rows, else the usable cores, at most 32)"
         ),
     )
+    source_column: str | None = field(
+        default=None,
+        metadata=_help(
+            "the column naming each row's source, for per-source loss and accuracy (a {name: dataset} mix is tagged "
+            "by its keys without it); see hf_packing/source_ids.py"
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in JSON_FIELDS:

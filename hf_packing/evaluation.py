@@ -17,6 +17,12 @@ wrapping two methods of the Trainer instance:
 - ``evaluation_loop`` (under both ``evaluate()`` and ``predict()``): sums the three numbers over processes once at the
   end (one all-reduce), sets ``{prefix}_loss`` to Σ CE / Σ n and adds ``{prefix}_token_accuracy`` = Σ n_correct / Σ n.
 
+Per source. When the eval set is a `pack_dataset` of a ``{name: dataset}`` mix (or packed with ``source_column``), the
+patched loss also sums the three numbers per source (`hf_packing.source_ids`), in the same chunks, on the device;
+they join the same all-reduce and give ``{prefix}_<name>_loss`` and ``{prefix}_<name>_token_accuracy`` per source
+(token-level over the whole eval set and all processes). They are left out when a batch did not give them: an
+unpatched model, Liger's fused loss, sequence parallelism.
+
 Mixture-of-experts models (Qwen3-VL-MoE) add ``router_aux_loss_coef · aux_loss`` to the loss when
 ``output_router_logits`` is on; ``eval_loss`` is the cross-entropy alone (the aux term is subtracted), so it compares
 with dense models and with a perplexity.
@@ -45,8 +51,9 @@ from typing import Any
 
 import torch
 
-from .loss import IGNORE_INDEX, CrossEntropySum, recording_token_counts
+from .loss import IGNORE_INDEX, CrossEntropySum, counting_sources, recording_token_counts
 from .patches import is_patched
+from .source_ids import per_source_metrics
 from .unwrap import base_model, packed_dataset
 
 logger = logging.getLogger("hf_packing")
@@ -72,9 +79,16 @@ def _targets(inputs: dict[str, Any]) -> torch.Tensor:
 
 
 def batch_sums(
-    model: Any, inputs: dict[str, Any], loss: torch.Tensor, outputs: Any, counts: list[CrossEntropySum] | None = None
+    model: Any,
+    inputs: dict[str, Any],
+    loss: torch.Tensor,
+    outputs: Any,
+    counts: list[CrossEntropySum] | None = None,
+    num_sources: int = 0,
 ) -> torch.Tensor:
-    """``[Σ CE, n supervised, n correct, 1 if n correct is unknown]`` of one eval batch, on ``loss``'s device.
+    """``[Σ CE, n supervised, n correct, 1 if n correct is unknown, 1 if the per-source sums are unknown]`` and the
+    ``(3, num_sources)`` per-source sums flattened (`CrossEntropySum.per_source`), of one eval batch, on ``loss``'s
+    device: ``5 + 3 · num_sources`` numbers.
 
     ``loss`` is the batch's mean cross-entropy (no ``num_items_in_batch``), ``outputs`` the model's output,
     ``counts`` what the patched forward recorded for this batch (`hf_packing.loss.recording_token_counts`): with
@@ -100,7 +114,11 @@ def batch_sums(
     known = correct is not None
     correct = torch.as_tensor(correct if known else 0, dtype=dtype, device=device)
     ce_sum = torch.where(n > 0, ce_mean * n, torch.zeros_like(n))  # a batch without targets: mean is NaN
-    return torch.stack([ce_sum, n, correct, torch.ones_like(n) * (not known)])
+    per = [ce.per_source for ce in counts or ()]
+    per_known = bool(per) and all(p is not None for p in per)
+    per_source = sum(p.to(device, dtype) for p in per) if per_known else torch.zeros(3, num_sources, device=device)
+    head = torch.stack([ce_sum, n, correct, torch.ones_like(n) * (not known), torch.ones_like(n) * (not per_known)])
+    return torch.cat([head, per_source.to(dtype).flatten()])
 
 
 class _Sums:
@@ -108,9 +126,10 @@ class _Sums:
 
     def __init__(self) -> None:
         self.active, self.loss_only, self.total, self.warned = False, False, None, False
+        self.sources: list[str] = []  # the eval set's source names (`PackedDataset.source_names`)
 
-    def start(self, loss_only: bool) -> None:
-        self.active, self.loss_only, self.total = True, loss_only, None
+    def start(self, loss_only: bool, sources: list[str]) -> None:
+        self.active, self.loss_only, self.total, self.sources = True, loss_only, None, sources
 
     def add(self, sums: torch.Tensor) -> None:
         self.total = sums if self.total is None else self.total + sums
@@ -130,15 +149,15 @@ def token_level_evaluation(trainer: Any) -> Any:
             return original_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if state.loss_only and is_patched(model):
             inputs = {**inputs, "skip_logits": True}
-        with recording_token_counts() as counts:
+        with recording_token_counts() as counts, counting_sources(len(state.sources)):
             loss, outputs = original_loss(model, inputs, return_outputs=True)  # the batch's own mean
-        state.add(batch_sums(model, inputs, loss, outputs, counts))
+        state.add(batch_sums(model, inputs, loss, outputs, counts, len(state.sources)))
         return (loss, outputs) if return_outputs else loss
 
     def evaluation_loop(dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
         loss_only = prediction_loss_only if prediction_loss_only is not None else trainer.args.prediction_loss_only
-        state.start(bool(loss_only))
         packs = packed_dataset(dataloader)
+        state.start(bool(loss_only), list(packs.source_names) if packs is not None else [])
         if packs is not None:
             trainer.gather_function = partial(_gather_rows, trainer.accelerator)
             if packs.cfg.leftovers == "drop" and trainer.accelerator.num_processes > 1 and not state.warned:
@@ -158,7 +177,7 @@ def token_level_evaluation(trainer: Any) -> Any:
         finally:
             state.active = False
         if own_loss():
-            _report(trainer, state.total, output.metrics, metric_key_prefix)
+            _report(trainer, state.total, output.metrics, metric_key_prefix, state.sources)
         return output
 
     trainer.compute_loss, trainer.evaluation_loop = compute_loss, evaluation_loop
@@ -177,13 +196,18 @@ def _sum_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
-def _report(trainer: Any, total: torch.Tensor | None, metrics: dict[str, float], prefix: str) -> None:
+def _report(
+    trainer: Any, total: torch.Tensor | None, metrics: dict[str, float], prefix: str, sources: list[str]
+) -> None:
     """All-reduce the sums (every rank calls this) and write the token-level metrics into ``metrics``."""
     device = total.device if total is not None else torch.device(trainer.args.device)
-    total = total if total is not None else torch.zeros(4, dtype=_sum_dtype(device), device=device)
+    total = total if total is not None else torch.zeros(5 + 3 * len(sources), dtype=_sum_dtype(device), device=device)
     if trainer.accelerator.num_processes > 1:
         total = trainer.accelerator.reduce(total, reduction="sum")
-    ce, n, correct, unknown = total.tolist()
+    ce, n, correct, unknown, per_unknown, *per = total.tolist()
+    if sources and per_unknown == 0:
+        keys = {"loss_key": f"{prefix}_{{}}_loss", "accuracy_key": f"{prefix}_{{}}_token_accuracy"}
+        metrics.update(per_source_metrics(sources, per, **keys))
     if n > 0:
         metrics[f"{prefix}_loss"] = ce / n
         if unknown == 0:

@@ -9,6 +9,9 @@ Labels shift inside each sequence of the flat stream; the last token of every se
 Logits are computed only for positions that have a target, in chunks of ``chunk_size`` rows, each chunk
 recomputed in backward (activation checkpointing). At 16k tokens and a 151k vocabulary that is the
 difference between ~10 GB of fp32 logits and ~1 GB for one chunk.
+
+Per source (`counting_sources`, `hf_packing.source_ids`): each chunk also adds its tokens' CE, count and argmax hits
+to a ``(3, num_sources)`` buffer with ``index_add_`` (fixed shapes: no host sync, no logits beyond the chunk's own).
 """
 
 from __future__ import annotations
@@ -45,19 +48,56 @@ def shift_labels_per_sequence(labels: torch.Tensor, cu_seqlens: torch.Tensor) ->
     return targets.index_fill(0, ends, IGNORE_INDEX)
 
 
+def token_sources(source_ids: torch.Tensor, cu_seqlens: torch.Tensor, num_sources: int, total: int) -> torch.Tensor:
+    """Each position's source id, from one id per sequence, without a host sync.
+
+    Args:
+        source_ids (`torch.LongTensor` of shape `(n_seqs,)`): each sequence's source (`VisionCollator`'s
+            ``source_ids``), in ``[0, num_sources)``; checked on the device.
+        cu_seqlens (`torch.IntTensor` of shape `(n_seqs + 1,)`): sequence boundaries; ends at T.
+        num_sources (`int`): the number of sources.
+        total (`int`): T, the number of positions (a host number: a shape, never read from ``cu_seqlens``).
+
+    Returns:
+        `torch.LongTensor` of shape `(T,)`, on ``cu_seqlens``'s device.
+    """
+    if source_ids.numel() != cu_seqlens.numel() - 1:
+        raise ValueError(
+            f"source_ids gives {source_ids.numel()} sources for {cu_seqlens.numel() - 1} sequences; pass one per "
+            "sequence (VisionCollator's source_ids), or none"
+        )
+    ids = source_ids.to(device=cu_seqlens.device, dtype=torch.long)
+    torch._assert_async(((ids >= 0) & (ids < num_sources)).all(), "source_ids must lie in [0, num_sources)")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(ids, lengths, output_size=total)
+
+
 def _chunk_ce_sum(
     head: Callable[[torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
     targets: torch.Tensor,
     correct: dict[int, torch.Tensor],
     chunk: int,
+    sources: torch.Tensor | None = None,
+    per_source: dict[int, torch.Tensor] | None = None,
+    num_sources: int = 0,
 ) -> torch.Tensor:
     logits = head(hidden).float()
     targets = targets.to(logits.device)  # device_map: the head may live on another device than the last layer
-    if chunk not in correct:  # checkpointing recomputes this chunk in backward; count it once
+    first = chunk not in correct  # checkpointing recomputes this chunk in backward; count it once
+    if sources is None:
+        if first:
+            with torch.no_grad():
+                correct[chunk] = (logits.argmax(-1) == targets).sum()
+        return F.cross_entropy(logits, targets, reduction="sum")
+    tokens = F.cross_entropy(logits, targets, reduction="none")
+    if first:
         with torch.no_grad():
-            correct[chunk] = (logits.argmax(-1) == targets).sum()
-    return F.cross_entropy(logits, targets, reduction="sum")
+            hit = logits.argmax(-1) == targets
+            correct[chunk] = hit.sum()
+            rows = torch.stack([tokens.detach(), torch.ones_like(tokens), hit.float()])  # (3, rows)
+            per_source[chunk] = rows.new_zeros(3, num_sources).index_add_(1, sources.to(logits.device), rows)
+    return tokens.sum()
 
 
 @dataclass
@@ -69,11 +109,14 @@ class CrossEntropySum:
         num_supervised (`int`): supervised positions (targets != -100).
         num_correct (`torch.Tensor`, *optional*): int64 scalar, positions whose argmax is the target (``None``
             under Liger, whose fused kernel never exposes the logits).
+        per_source (`torch.Tensor`, *optional*): fp32 ``(3, num_sources)``, no gradient: per source Σ CE, supervised
+            positions, correct argmax (only when asked for: ``sources`` given, not under Liger).
     """
 
     loss_sum: torch.Tensor
     num_supervised: int
     num_correct: torch.Tensor | None
+    per_source: torch.Tensor | None = None
 
 
 #: The token counts of every patched forward inside `recording_token_counts` (None outside: nothing is kept).
@@ -92,6 +135,26 @@ def recording_token_counts() -> Iterator[list[CrossEntropySum]]:
         yield _RECORDED.get()
     finally:
         _RECORDED.reset(token)
+
+
+#: The number of sources patched forwards sum their loss over (`counting_sources`); 0: none.
+_NUM_SOURCES: ContextVar[int] = ContextVar("hf_packing_num_sources", default=0)
+
+
+@contextmanager
+def counting_sources(num_sources: int) -> Iterator[None]:
+    """Inside the block, a patched forward given ``source_ids`` also sums its loss per source into
+    `CrossEntropySum.per_source` (``(3, num_sources)``). Outside it no per-source work is done."""
+    token = _NUM_SOURCES.set(int(num_sources))
+    try:
+        yield
+    finally:
+        _NUM_SOURCES.reset(token)
+
+
+def counted_sources() -> int:
+    """The ``num_sources`` of the innermost active `counting_sources` (0 outside any)."""
+    return _NUM_SOURCES.get()
 
 
 def attach_token_counts(output: Any, ce: CrossEntropySum | None) -> None:
@@ -129,6 +192,8 @@ def linear_cross_entropy_sum(
     chunk_size: int | None = None,
     use_liger: bool | None = None,
     num_supervised: int | None = None,
+    sources: torch.Tensor | None = None,
+    num_sources: int = 0,
 ) -> CrossEntropySum:
     """Σ cross-entropy of ``head(hidden)`` against ``targets`` over supervised positions.
 
@@ -143,6 +208,10 @@ def linear_cross_entropy_sum(
             (`VisionCollator` counts it in the DataLoader worker). Then the supervised rows are selected with a
             fixed-size ``nonzero_static`` and checked on the device (``torch._assert_async``), so the step never
             waits for the device here; without it ``nonzero`` reads the count from the device (one host sync).
+        sources (`torch.LongTensor` of shape `(T,)`, *optional*): each position's source in ``[0, num_sources)``
+            (`token_sources`); then `CrossEntropySum.per_source` is filled, chunk by chunk, with ``index_add_``
+            into a fixed ``(3, num_sources)`` buffer: no host sync, no extra logits. Ignored under Liger.
+        num_sources (`int`): the per-source buffer's width.
 
     With no supervised position the sum is ``0 * head(hidden[:1]).sum()``: zero, but every head and backbone
     parameter stays in the graph, so DDP (``find_unused_parameters=False``) and ZeRO see the same backward
@@ -162,10 +231,14 @@ def linear_cross_entropy_sum(
         )
         keep = torch.nonzero_static(supervised, size=num_supervised).flatten()
     n = keep.numel()
+    sources = sources if sources is not None and num_sources > 0 else None
     if n == 0:
         zero = head(hidden[:1]).float().sum() * 0.0
-        return CrossEntropySum(zero, 0, torch.zeros((), dtype=torch.long, device=zero.device))
+        per = None if sources is None else torch.zeros(3, num_sources, device=zero.device)
+        return CrossEntropySum(zero, 0, torch.zeros((), dtype=torch.long, device=zero.device), per)
     hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
+    if sources is not None:
+        sources = sources.to(keep.device).index_select(0, keep)
     liger = _compat.liger_fused_linear_cross_entropy()
     if use_liger is None:
         use_liger = liger is not None and hidden.is_cuda and liger_can_read_weight(head)
@@ -182,19 +255,31 @@ def linear_cross_entropy_sum(
     rows = chunk_size or max(256, CHUNK_ELEMENTS // (getattr(head, "out_features", None) or head.weight.shape[0]))
     total = hidden.new_zeros((), dtype=torch.float32)
     correct: dict[int, torch.Tensor] = {}
+    per_source: dict[int, torch.Tensor] = {}
     for start in range(0, n, rows):
         h, t = hidden[start : start + rows], targets[start : start + rows]
+        s = None if sources is None else sources[start : start + rows]
+        args = (head, h, t, correct, start, s, per_source, num_sources)
         if torch.is_grad_enabled() and h.requires_grad:
-            total = total + checkpoint(_chunk_ce_sum, head, h, t, correct, start, use_reentrant=False)
+            total = total + checkpoint(_chunk_ce_sum, *args, use_reentrant=False)
         else:
-            total = total + _chunk_ce_sum(head, h, t, correct, start)
-    return CrossEntropySum(total, n, torch.stack(list(correct.values())).sum())
+            total = total + _chunk_ce_sum(*args)
+    per = torch.stack(list(per_source.values())).sum(0) if per_source else None
+    return CrossEntropySum(total, n, torch.stack(list(correct.values())).sum(), per)
 
 
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> CrossEntropySum:
+def cross_entropy_sum(
+    logits: torch.Tensor, targets: torch.Tensor, sources: torch.Tensor | None = None, num_sources: int = 0
+) -> CrossEntropySum:
     """`linear_cross_entropy_sum` for logits that are already there: ``(T, V)`` logits, ``(T,)`` targets."""
     return linear_cross_entropy_sum(
-        logits, torch.nn.Identity(), targets, chunk_size=logits.shape[0] or 1, use_liger=False
+        logits,
+        torch.nn.Identity(),
+        targets,
+        chunk_size=logits.shape[0] or 1,
+        use_liger=False,
+        sources=sources,
+        num_sources=num_sources,
     )
 
 

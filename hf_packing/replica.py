@@ -21,6 +21,7 @@ from .formats import per_source
 from .loss import IGNORE_INDEX
 from .pack_stats import PackStats, check_yield
 from .planner import StreamingPlanner
+from .source_ids import SOURCE_ID, SourceTagger
 from .sources import SOURCE_COLUMN
 from .video_sampling import per_source_videos_kwargs
 
@@ -70,10 +71,12 @@ class Replica:
         worker: int,
         workers: int,
         position: dict[str, Any] | None,
+        tag_source: SourceTagger | None = None,
     ) -> None:
         self.cfg, self.cost, self.source, self.epoch = cfg, cost, source, epoch
         self.rank, self.world, self.worker, self.workers = rank, world, worker, workers
         self.preprocessors = preprocessors(cfg, processor, names)
+        self.tag_source = tag_source if tag_source else None  # falsy tagger: samples carry no source id
         self.pad_id = next(iter(self.preprocessors.values())).tokenizer.pad_token_id or 0
         self.planner = StreamingPlanner(
             max_length=cfg.max_length,
@@ -252,6 +255,7 @@ class Replica:
             "mm_token_type_ids": one * 0,
             "num_tokens": 1,
             "index": -1,
+            **({SOURCE_ID: 0} if self.tag_source else {}),  # no targets: adds nothing to source 0
         }
 
     def _oldest(self) -> int:
@@ -269,14 +273,16 @@ class Replica:
         for index in pack:
             row, planned, source, _ = self.held[index]
             try:
-                sample = self.preprocessors[source].process(
-                    self.source.fetch(index) if self.source.lazy else row, index, planned_tokens=planned
-                )
+                raw = self.source.fetch(index) if self.source.lazy else row
+                source_id = self.tag_source(source, raw) if self.tag_source else None
+                sample = self.preprocessors[source].process(raw, index, planned_tokens=planned)
             except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
                 if self.cfg.on_error == "raise" or isinstance(err, (OverlongError, ImportError)):
                     raise
                 self._skip(err, index, planning=False)
                 continue
+            if source_id is not None:
+                sample[SOURCE_ID] = source_id
             samples.append(sample)
             self.stats.samples[source] += 1
             if "video_grid_thw" in sample:

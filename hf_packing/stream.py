@@ -66,6 +66,7 @@ from .length_index import with_length_index
 from .pack_stats import PADDED_BATCH, PackStats
 from .producer import produce
 from .replica import Replica, preprocessors
+from .source_ids import SourceTagger
 from .sources import make_source
 
 __all__ = ["PackStats", "PackedDataset", "PackingConfig", "pack_dataset"]
@@ -118,6 +119,9 @@ class PackedDataset(torch.utils.data.IterableDataset):
         self.sequence_parallel_size = sequence_parallel_size
         weights = cfg.weights
         self.weights = dict(weights) if isinstance(weights, Mapping) else list(weights) if weights is not None else None
+        self.source_tagger = SourceTagger(ds, cfg.source_column)
+        #: the sources samples are tagged with (``sample["source_id"]`` indexes it); empty when untagged
+        self.source_names = list(self.source_tagger.names)
         pres = preprocessors(cfg, processor, names)  # validates the settings here rather than in a worker
         if isinstance(ds, Mapping):
             ds = {name: self._indexed(part, pres[str(name)]) for name, part in ds.items()}
@@ -244,6 +248,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
             worker=worker,
             workers=workers,
             position=position,
+            tag_source=self.source_tagger,
         )
 
     def _iterate(
@@ -442,8 +447,9 @@ def pack_dataset(
     Returns:
         [`PackedDataset`]: a `torch.utils.data.IterableDataset` of packs with `state_dict()`, `load_state_dict()`,
         `stats()`, `count_packs()`, and `len()` once counted. Each sample also carries `index`, its position in the
-        (mixed) input stream. A pass in which a source that had rows kept none of them, or no rank got a pack, ends
-        with [`~hf_packing.pack_stats.NoSamplesError`] naming the source and its top skip reasons.
+        (mixed) input stream, and, from a mix or with `source_column`, `source_id` (into `source_names`). A pass in
+        which a source that had rows kept none of them, or no rank got a pack, ends with
+        [`~hf_packing.pack_stats.NoSamplesError`] naming the source and its top skip reasons.
 
     Example:
 

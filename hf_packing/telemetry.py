@@ -51,6 +51,18 @@ pack, so every count is divided by ``P`` after the sum over ranks (tokens are co
                                 averaged over ranks; on CUDA from events around each collective (no sync in
                                 the step), on CPU wall time
 
+Per source (a `pack_dataset` of a ``{name: dataset}`` mix, or with ``source_column``; under `apply_rmpad`): the
+forward pre-hook opens `hf_packing.loss.counting_sources` around each training forward, the patched loss sums each
+source's token cross-entropy, supervised tokens and argmax hits on the device (in the chunks it computes anyway), a
+forward hook adds them up, and the log's one all-reduce carries them. Keys, without the ``packing/`` prefix:
+
+    loss/<source>             Σ token CE / Σ supervised tokens of that source over the logging window, all ranks and
+                              micro-batches (the token-weighted mean over sources is the window's token-level loss,
+                              which is the Trainer's ``loss`` when logging_steps=1; over several steps the Trainer
+                              averages each step's loss instead)
+    token_accuracy/<source>   argmax hits / supervised tokens, likewise
+    supervised_tokens/<source>  the supervised tokens those two are over
+
 The Trainer calls user callbacks after its reporting callbacks, so a plain ``callbacks=[...]`` would add
 the keys after WandB / TensorBoard have logged. Use `add_telemetry`, which puts the callback first.
 """
@@ -58,6 +70,7 @@ the keys after WandB / TensorBoard have logged. Use `add_telemetry`, which puts 
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +79,8 @@ from transformers import TrainerCallback
 
 from . import sequence_parallel
 from .flops import training_flops, vision_flops
+from .loss import counting_sources, recording_token_counts
+from .source_ids import per_source_metrics
 
 __all__ = ["ModelFlops", "PackingTelemetry", "add_telemetry", "default_peak_tflops", "training_flops"]
 
@@ -161,6 +176,8 @@ class PackingTelemetry(TrainerCallback):
         model_flops (`ModelFlops`, *optional*): override the parameter counts read from the model.
         all_reduce (`bool`, *optional*): sum counts over ranks when torch.distributed is initialised (default).
             With ``False`` each rank logs its own numbers and the reporters (rank 0) show rank 0's.
+        sources (`list[str]`, *optional*): source names for ``loss/<source>`` and ``token_accuracy/<source>``;
+            default ``dataset.source_names`` (`PackedDataset`), none when empty.
     """
 
     def __init__(
@@ -171,8 +188,11 @@ class PackingTelemetry(TrainerCallback):
         dataset: Any = None,
         model_flops: ModelFlops | None = None,
         all_reduce: bool = True,
+        sources: list[str] | None = None,
     ) -> None:
         self.max_length, self.dataset, self.all_reduce = max_length, dataset, all_reduce
+        self.sources = list(sources if sources is not None else getattr(dataset, "source_names", None) or [])
+        self._post_handle, self._open = None, ExitStack()
         self.peak_tflops = peak_tflops if peak_tflops is not None else default_peak_tflops()
         self.model_flops, self._handle, self._packs_per_batch = model_flops, None, 1
         self._reset()
@@ -183,6 +203,8 @@ class PackingTelemetry(TrainerCallback):
         self._acc: torch.Tensor | None = None  # created on the first batch's device
         self._host = dict.fromkeys(_HOST_KEYS, 0)
         self._grids: list[torch.Tensor] = []  # (t, h, w) rows of every item, read once at log time
+        self._per_source: torch.Tensor | None = None  # (3, sources) Σ CE, tokens, hits on the device
+        self._per_source_missing = 0  # training forwards that gave no per-source sums (Liger, SP, no source_ids)
 
     def _add(self, index: int, value: torch.Tensor) -> None:
         if self._acc is None:
@@ -192,6 +214,23 @@ class PackingTelemetry(TrainerCallback):
     def _pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if module.training:
             self.observe(kwargs.get("input_ids", args[0] if args else None), kwargs)
+            if self.sources:
+                self._open.close()  # a forward that raised before its hook ran
+                self._counts = self._open.enter_context(recording_token_counts())
+                self._open.enter_context(counting_sources(len(self.sources)))
+
+    def _post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        """Adds the per-source sums the training forward's loss recorded (on the device, no sync)."""
+        if not module.training or not self.sources:
+            return
+        self._open.close()
+        counts, self._counts = getattr(self, "_counts", []), []
+        sums = [ce.per_source for ce in counts]
+        if not sums or any(p is None for p in sums):
+            self._per_source_missing += 1
+            return
+        total = sum(p.detach() for p in sums).to(torch.float64 if sums[0].device.type != "mps" else torch.float32)
+        self._per_source = total if self._per_source is None else self._per_source + total
 
     def observe(self, input_ids: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
         """Count one micro-batch given the model call's kwargs (what the hook does)."""
@@ -251,11 +290,17 @@ class PackingTelemetry(TrainerCallback):
         sp_state = sequence_parallel.current_state()
         self._host["comm_s"] += 0.0 if sp_state is None else sp_state.timer.take()
         self._host["vision_flops"] = self._vision_flops()
-        vec = torch.cat([acc, torch.tensor([self._host[k] for k in _HOST_KEYS] + extra, dtype=dtype, device=dev)])
+        extra.append(float(self._per_source_missing))
+        n_sources = len(self.sources)
+        per = self._per_source if self._per_source is not None else torch.zeros(3, n_sources, dtype=dtype, device=dev)
+        host = torch.tensor([self._host[k] for k in _HOST_KEYS] + extra, dtype=dtype, device=dev)
+        vec = torch.cat([acc, host, per.to(device=dev, dtype=dtype).flatten()])  # one all-reduce for everything
         if reduce:
             torch.distributed.all_reduce(vec)
-            vec[:-3] /= sequence_parallel.current_size()  # SP ranks count their group's pack each: count it once
-        v = dict(zip(_DEVICE_KEYS + _HOST_KEYS + ("has_stats", "dropped"), vec.tolist()))
+            # SP ranks count their group's pack each: count it once (not vision_flops and the dataset's numbers)
+            vec[: len(_DEVICE_KEYS) + len(_HOST_KEYS) - 1] /= sequence_parallel.current_size()
+        values = vec.tolist()
+        v = dict(zip(_DEVICE_KEYS + _HOST_KEYS + ("has_stats", "dropped", "per_source_missing"), values))
         return {
             "real_tokens": v["real"] + v["real_host"],
             "sum_sq_lens": v["sq"] + v["sq_host"],
@@ -264,6 +309,8 @@ class PackingTelemetry(TrainerCallback):
             **{k: v[k] for k in _HOST_KEYS[2:6] + ("has_stats", "dropped")},
             "comm_seconds": v["comm_s"],  # Σ over ranks
             "vision_flops": v["vision_flops"],  # exact (`hf_packing.flops`); 0 without the model or grids
+            # Σ CE of each source, then their supervised tokens, then their hits; [] if a forward gave none
+            "per_source": values[len(values) - 3 * n_sources :] if n_sources and not v["per_source_missing"] else [],
         }
 
     def _vision_flops(self) -> float:
@@ -282,6 +329,8 @@ class PackingTelemetry(TrainerCallback):
         """Start counting the training forwards of ``model`` (the outermost module the Trainer calls)."""
         self.detach()
         self._handle = model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        if self.sources:
+            self._post_handle = model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
         self._model = model
         if self.model_flops is None:
             try:
@@ -294,6 +343,10 @@ class PackingTelemetry(TrainerCallback):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self._post_handle is not None:
+            self._post_handle.remove()
+            self._post_handle = None
+        self._open.close()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._packs_per_batch = args.per_device_train_batch_size
@@ -356,6 +409,9 @@ class PackingTelemetry(TrainerCallback):
                 new["mfu"] = text * per_device / self.peak_tflops  # LLM only, as lmms-engine reports it
                 new["mfu_with_vision"] = new["tflops_per_s_per_device"] / self.peak_tflops
         new = {PREFIX + k: v for k, v in new.items()}
+        if c["per_source"]:
+            keys = {"loss_key": "loss/{}", "accuracy_key": "token_accuracy/{}", "count_key": "supervised_tokens/{}"}
+            new.update(per_source_metrics(self.sources, c["per_source"], **keys))
         logs.update(new)
         # Trainer.log appends a copy of `logs` to log_history before calling on_log; keep it in step.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:

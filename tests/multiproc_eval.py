@@ -13,8 +13,9 @@ than fp32 the prefix gets ``_<precision>``); ``loss_only`` (optional: each set i
 prefix ``..._control``: the negative control); ``default_leftovers`` (optional: pack with `pack_dataset`'s defaults,
 training's ``leftovers="drop"``, and evaluate each set twice: passed to ``evaluate()``, then as the Trainer's own
 ``eval_dataset`` that is also its ``train_dataset``, prefix ``..._as_train``); ``no_eval_view`` (optional: evaluate
-the packs as they are, without `PackedDataset.for_evaluation`, the negative control); ``out``, ``output_dir``,
-``pg_timeout``.
+the packs as they are, without `PackedDataset.for_evaluation`, the negative control); ``mix`` (optional: ``[[name,
+parquet file], ...]``, packed as a ``{name: dataset}`` mix instead of ``data``: per-source metrics); ``out``,
+``output_dir``, ``pg_timeout``.
 
 rank{r}.json: ``evaluated`` {prefix: the sample indices of each eval batch this rank collated}, ``metrics`` {the
 token-level loss and accuracy, and ``label_tokens``: supervised labels compute_metrics received over all ranks}.
@@ -83,6 +84,8 @@ def main() -> None:
         for max_length in config["lengths"]:
             for mode in modes:
                 ds = load_dataset("parquet", data_files=config["data"], split="train")
+                if config.get("mix"):
+                    ds = {name: load_dataset("parquet", data_files=f, split="train") for name, f in config["mix"]}
                 packs = pack_dataset(
                     ds,
                     processor,

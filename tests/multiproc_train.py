@@ -12,12 +12,14 @@ CONFIG.json (written by the test):
     save_steps    checkpoint every N steps (null: no checkpoints); resume: a checkpoint dir to resume from
     dummy_vision  passed to `apply_rmpad`; fsdp: FSDP2 through the Trainer's accelerate plugin
     stateful      resume through accelerate's StatefulDataLoader and `PackedDataset.state_dict` (see below)
+    mix           {name: parquet files}: a `{name: dataset}` mix instead of `data` (per-source loss logging)
+    grad_accum    gradient_accumulation_steps (default 1); telemetry_all_reduce: `PackingTelemetry(all_reduce=)`
     pg_timeout    process-group timeout in seconds (a rank waiting in a collective fails after it)
 
 rank{r}.json: `global_step`; `collated` (per collator call: the samples' `index` and a hash of the batch);
 `trained` (per training micro-batch, as `compute_loss` sees it: the step, the batch hash, the loss, whether it
-had pixels); `stats` (`packs.stats()`); `count` (the per-rank pack count when counted); `fsdp_version` and the
-parameters' type (`DTensor` once FSDP2 sharded them).
+had pixels); `log_history` (the Trainer's); `stats` (`packs.stats()`); `count` (the per-rank pack count when
+counted); `fsdp_version` and the parameters' type (`DTensor` once FSDP2 sharded them).
 
 `stateful`: transformers 5.23's Trainer neither saves nor restores a dataloader state (on resume it skips the
 first N batches by re-iterating), and its AcceleratorConfig refuses `use_stateful_dataloader`, so that is set on
@@ -87,7 +89,7 @@ def main() -> None:
         output_dir=config["output_dir"],
         use_cpu=True,
         per_device_train_batch_size=1,
-        gradient_accumulation_steps=1,
+        gradient_accumulation_steps=config.get("grad_accum", 1),
         max_steps=1,
         learning_rate=1e-3,
         lr_scheduler_type="linear",
@@ -112,7 +114,13 @@ def main() -> None:
     assert world == 2 and torch.distributed.is_initialized(), (world, rank)
 
     processor = AutoProcessor.from_pretrained(config["model"])
-    if config.get("rank_data"):
+    if config.get("mix"):
+        ds = {
+            name: load_dataset("parquet", data_files=files, split="train", streaming=True)
+            for name, files in config["mix"].items()
+        }
+        split = {"rank": rank, "world_size": world}
+    elif config.get("rank_data"):
         ds = load_dataset("parquet", data_files=config["rank_data"][str(rank)], split="train", streaming=True)
         split = {"rank": 0, "world_size": 1}  # this rank's own rows: forces what its micro-batches hold
     else:
@@ -168,7 +176,7 @@ def main() -> None:
         data_collator=collator,
         callbacks=[SaveLoaderState()] if config.get("stateful") else None,
     )
-    prepare_trainer(trainer, max_length=config["max_length"])
+    prepare_trainer(trainer, max_length=config["max_length"], all_reduce=config.get("telemetry_all_reduce", True))
     if config.get("stateful"):
         use_stateful_packs(trainer, config.get("resume"), rank)
         assert trainer.accelerator.use_stateful_dataloader
@@ -181,6 +189,7 @@ def main() -> None:
         "max_steps": args.max_steps,
         "collated": collator.calls,
         "trained": trained,
+        "log_history": trainer.state.log_history,
         "stats": packs.stats(log=False),
         "fsdp_version": getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", None),
         "sharded": type(next(trainer.model.parameters())).__name__,

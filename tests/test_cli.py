@@ -37,3 +37,85 @@ def test_stats_without_matplotlib_fails_before_it_reads(tmp_path, monkeypatch):
     args = argparse.Namespace(data=str(tmp_path / "missing"), processor=str(tmp_path / "missing"))
     with pytest.raises(ImportError, match=r"hf-packing stats .* pip install 'hf_packing\[cli\]'"):
         run_stats(args)
+
+
+# ------------------------------------------------------------------------------------------ hf-packing plot
+HISTORY = [
+    {"loss": 2.0, "loss/a": 1.5, "token_accuracy/a": 0.25, "loss/b": 3.0, "packing/pack_fill": 0.9, "step": 1},
+    {"loss": 1.0, "loss/a": 0.5, "token_accuracy/a": 0.5, "step": 2},  # b had no supervised token in this window
+    {"eval_loss": 1.2, "eval_token_accuracy": 0.4, "eval_a_loss": 1.1, "eval_a_token_accuracy": 0.45, "step": 2},
+    {"eval_runtime": 0.5, "eval_model_preparation_time": 0.1, "step": 2},
+    {"train_loss": 1.5, "train_runtime": 3.0, "step": 2},
+]
+
+
+def test_training_curves_read_overall_and_per_source_keys():
+    from hf_packing.cli.plots import source_names, training_curves
+
+    assert source_names(HISTORY) == ["a", "b"]
+    assert training_curves(HISTORY) == {
+        "loss": {
+            "train": [(1, 2.0), (2, 1.0)],
+            "eval": [(2, 1.2)],
+            "train a": [(1, 1.5), (2, 0.5)],
+            "eval a": [(2, 1.1)],
+            "train b": [(1, 3.0)],
+        },
+        "token accuracy": {"eval": [(2, 0.4)], "train a": [(1, 0.25), (2, 0.5)], "eval a": [(2, 0.45)]},
+    }
+
+
+def test_plot_command_draws_the_newest_checkpoints_state(tmp_path, capsys):
+    import json
+
+    from hf_packing.cli import main
+
+    for step, history in ((2, HISTORY[:1]), (10, HISTORY)):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    assert main(["plot", str(tmp_path)]) == 0
+    png = tmp_path / "checkpoint-10" / "curves.png"
+    assert capsys.readouterr().out.strip() == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "checkpoint-2" / "curves.png").exists()
+    with pytest.raises(FileNotFoundError, match=r"trainer.save_state\(\)"):
+        main(["plot", str(tmp_path / "missing")])
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": HISTORY[3:4]}))
+    with pytest.raises(ValueError, match="nothing to plot"):
+        main(["plot", str(tmp_path)])
+
+
+def test_plot_without_matplotlib_fails_before_it_reads(tmp_path, monkeypatch):
+    from hf_packing.cli.plots import run_plot
+
+    _without(monkeypatch, "matplotlib")
+    with pytest.raises(ImportError, match=r"hf-packing plot needs matplotlib: pip install 'hf_packing\[cli\]'"):
+        run_plot(tmp_path / "missing")
+
+
+def test_demo_sources_are_rows_with_and_without_media():
+    from datasets import Dataset
+
+    from hf_packing.cli.demo import with_sources
+
+    ds = Dataset.from_dict({"images": [["x.png"], [], None, ["a.png", "b.png"]], "messages": ["m"] * 4})
+    tagged, column = with_sources(ds)
+    assert column == "source" and tagged["source"] == ["images", "text", "text", "images"]
+    assert with_sources(ds.select([0, 3]))[1] is None  # one kind only: untagged
+
+
+@pytest.mark.slow
+def test_demo_draws_per_source_curves(tmp_path):
+    """The demo end to end, small: a two-source mix (rows with and without images), evaluated during training;
+    curves.png holds both sources' training curves and the eval curve (about a minute on 2 loaded cores)."""
+    import json
+
+    from hf_packing.cli.plots import source_names
+
+    out = tmp_path / "demo"
+    summary = run_demo(DemoConfig(output_dir=out, num_samples=20, max_length=1024, epochs=1, eval_fraction=0.2))
+    history = json.loads((out / "trainer" / "trainer_state.json").read_text())["log_history"]
+    print(summary, source_names(history))
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"images", "text"} <= set(source_names(history))
+    assert any("eval_images_loss" in h for h in history)
+    assert set(summary["per-source loss (last log)"]) == {"images", "text"}

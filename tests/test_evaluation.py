@@ -498,3 +498,99 @@ def test_two_processes_report_token_accuracy_in_every_precision(tmp_path, tiny_m
                 assert within_twice_plain(f"{key}_loss", r0["metrics"][f"{key}_loss"], plain[0], reference["loss"], 1)
     control = f"eval_{LENGTHS[0]}_autocast_control"
     assert f"{control}_loss" in r0["metrics"] and f"{control}_token_accuracy" not in r0["metrics"]
+
+
+# ------------------------------------------------------------------------------------------ per source
+SOURCES = ("images", "text")
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("eval_text") / "text.parquet"
+    write_parquet(path, 6, seed=11, start=100, images="none")
+    return str(path)
+
+
+def _mix(eval_file: str, text_file: str, processor, max_length: int):
+    """The 12 eval rows and 6 text-only rows as a ``{name: dataset}`` mix (interleaved until one runs out)."""
+    from datasets import load_dataset
+
+    files = dict(zip(SOURCES, (eval_file, text_file), strict=True))
+    mix = {name: load_dataset("parquet", data_files=f, split="train") for name, f in files.items()}
+    return pack_dataset(mix, processor, max_length=max_length, leftovers="spread", disable_progress=True)
+
+
+@pytest.fixture(scope="module")
+def source_reference(tiny_model, processor, eval_file, text_file) -> dict[str, dict]:
+    """Per source: the unpatched model's token-level (CE, accuracy, tokens) over that source's samples alone."""
+    hf_packing.revert_rmpad()
+    packs = _mix(eval_file, text_file, processor, max(LENGTHS))
+    assert packs.source_names == list(SOURCES)
+    samples = [s for p in packs for s in p]
+    model = _load(tiny_model, patched=False)
+    out = {}
+    for k, name in enumerate(SOURCES):
+        loss, accuracy, n = _reference(model, processor, [s for s in samples if s["source_id"] == k])
+        out[name] = {"loss": loss, "accuracy": accuracy, "n": n}
+        print(f"reference {name}: {n} supervised tokens, CE {loss:.6f}, accuracy {accuracy:.4f}")
+    return out
+
+
+class _RolledSources:
+    """Negative control: each batch's source ids rolled by one (a sequence charged to its neighbour's source)."""
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        batch["source_ids"] = batch["source_ids"].roll(1)
+        return batch
+
+
+def _check_per_source(metrics: dict, reference: dict, prefix: str = "eval") -> None:
+    for name in SOURCES:
+        loss, accuracy = metrics[f"{prefix}_{name}_loss"], metrics[f"{prefix}_{name}_token_accuracy"]
+        ref = reference[name]
+        print(f"{prefix} {name}: loss {loss:.6f} (reference {ref['loss']:.6f}, rel {_rel(loss, ref['loss']):.1e})")
+        assert _rel(loss, ref["loss"]) < REL
+        assert _rel(accuracy, ref["accuracy"]) < REL
+    n = sum(reference[name]["n"] for name in SOURCES)
+    weighted = sum(reference[name]["n"] * metrics[f"{prefix}_{name}_loss"] for name in SOURCES) / n
+    assert _rel(weighted, metrics[f"{prefix}_loss"]) < REL
+
+
+def test_per_source_eval_loss_is_each_sources_unpatched_mean(
+    tmp_path, tiny_model, processor, eval_file, text_file, source_reference
+):
+    """A two-source mix packed at 256 tokens, evaluated under the patch: ``eval_<source>_loss`` and
+    ``eval_<source>_token_accuracy`` equal the unpatched model on that source's samples alone. Negative control: the
+    ids rolled within each batch move them. An unpatched model gives no per-source keys (its loss has no per-source
+    sums)."""
+    packs = _mix(eval_file, text_file, processor, LENGTHS[0])
+    plain = _trainer(tmp_path, _load(tiny_model, patched=False), processor, eval_dataset=packs).evaluate()
+    assert not any(k.startswith(("eval_images", "eval_text")) for k in plain)
+    trainer = _trainer(tmp_path, _load(tiny_model, patched=True), processor, eval_dataset=packs)
+    _check_per_source(trainer.evaluate(), source_reference)
+    trainer.data_collator = _RolledSources(trainer.data_collator)
+    rolled = trainer.evaluate()
+    moved = max(_rel(rolled[f"eval_{name}_loss"], source_reference[name]["loss"]) for name in SOURCES)
+    print(f"rolled source ids: {rolled}, largest rel error {moved:.1e}")
+    assert moved > 1e-3
+
+
+@pytest.mark.multiproc
+def test_two_processes_report_per_source_eval_loss(tmp_path, tiny_model, eval_file, text_file, source_reference):
+    """The same mix on 2 gloo processes: one all-reduce gives both ranks every source's token-level loss."""
+    (r0, r1) = _two_process_eval(
+        tmp_path,
+        "2-process per-source evaluation",
+        model=str(tiny_model),
+        data=[eval_file],
+        mix=[[name, f] for name, f in zip(SOURCES, (eval_file, text_file), strict=True)],
+        lengths=[LENGTHS[0]],
+        keep_eval_packs=True,
+        patched=True,
+    )
+    assert r0["metrics"] == r1["metrics"]
+    _check_per_source(r0["metrics"], source_reference, prefix=f"eval_{LENGTHS[0]}")

@@ -111,3 +111,48 @@ def test_counter_sees_each_kind_of_sync():
     assert ops == ["_local_scalar_dense", "_unique2", "index", "masked_select", "nonzero", "repeat_interleave"]
     assert all(where.startswith("tests/test_syncs.py") for _, where in counter.syncs)
     assert list(counter.host_reads.values()) == [1]
+
+
+def _per_source_step(processor, model, collate, sources: bool) -> SyncCounter:
+    """One training step on a two-source pack with `PackingTelemetry` attached, per-source logging on or off."""
+    from hf_packing.telemetry import PackingTelemetry
+
+    samples = processed_samples(processor)
+    pack = [{**s, "source_id": k % 2} if sources else s for k, s in enumerate([samples[1], samples[4], samples[0]])]
+    telemetry = PackingTelemetry(sources=["a", "b"] if sources else None)
+    telemetry.attach(model)
+    try:
+        counter = _step(model, collate([pack]))
+        if sources:  # the sums arrived, on the device, and match the loss's supervised count
+            assert telemetry._per_source[1].sum().item() == collate([pack])["num_supervised_tokens"]
+    finally:
+        telemetry.detach()
+    return counter
+
+
+def test_per_source_logging_adds_no_host_sync(monkeypatch):
+    """The same pack with and without per-source sums (source_ids, `counting_sources` opened by the telemetry's
+    hooks, `index_add_` in every loss chunk): the same number of syncs, none of them hf_packing's. Negative control:
+    expanding the ids with a data-dependent ``repeat_interleave`` adds one."""
+    from hf_packing import loss
+
+    processor = load_processor("qwen2_5_vl")
+    model = build_tiny_model("qwen2_5_vl", processor_dir=FIXTURES / "qwen2_5_vl")
+    collate = VisionCollator(processor, model_config=model.config)
+    hf_packing.apply_rmpad("qwen2_5_vl")
+    try:
+        off = _per_source_step(processor, model, collate, sources=False)
+        on = _per_source_step(processor, model, collate, sources=True)
+        print(f"\nper-source off: {off.total} syncs, on: {on.total}\n{on.report()}")
+        assert on.total == off.total and on.by("hf_packing/") == 0
+        assert on.host_reads == off.host_reads  # no extra .tolist() either
+
+        def syncing(source_ids, cu_seqlens, num_sources, total):
+            return source_ids.to(cu_seqlens.device).repeat_interleave((cu_seqlens[1:] - cu_seqlens[:-1]).long())
+
+        monkeypatch.setattr(loss, "token_sources", syncing)
+        control = _per_source_step(processor, model, collate, sources=True)
+        print(f"control: {control.total} syncs")
+        assert control.total == off.total + 1
+    finally:
+        hf_packing.revert_rmpad("qwen2_5_vl")

@@ -196,3 +196,33 @@ def test_trainer_logs_keys_before_reporters(tmp_path):
         assert log["packing/tokens_per_s"] > 0 and 0 < log["packing/mfu"] <= log["packing/mfu_with_vision"]
         assert log["packing/mfu_with_vision"] == log["packing/tflops_per_s_per_device"]
     assert telemetry._handle is None and not tiny._forward_pre_hooks
+
+
+def test_per_source_sums_are_kept_only_when_every_training_forward_gave_them():
+    """Two micro-batches with ``source_ids`` under the patch: the per-source token counts add up to the collator's
+    supervised counts; the sums are the loss's own (Σ over sources = the summed loss). A third forward without ids
+    (as under Liger or sequence parallelism) makes the window's per-source numbers unknown: left out, not wrong."""
+    from conftest import processed_samples
+
+    import hf_packing
+
+    processor = load_processor("qwen2_5_vl")
+    samples = processed_samples(processor)
+    model = build_tiny_model("qwen2_5_vl")
+    collate = VisionCollator(processor, model_config=model.config)
+    batches = [collate([[{**s, "source_id": k % 2} for k, s in enumerate(samples[i : i + 2])]]) for i in (0, 2)]
+    telemetry = PackingTelemetry(sources=["a", "b"])
+    hf_packing.apply_rmpad("qwen2_5_vl")
+    try:
+        telemetry.attach(model)
+        model.train()
+        losses = [float(model(**b).loss.detach()) * b["num_supervised_tokens"] for b in batches]
+        per = telemetry.counts()["per_source"]  # Σ CE of a, b; tokens of a, b; hits of a, b
+        print(per, losses)
+        assert per[2] + per[3] == sum(b["num_supervised_tokens"] for b in batches) and min(per[2:4]) > 0
+        assert abs(per[0] + per[1] - sum(losses)) < 1e-5 * sum(losses)
+        model(**{k: v for k, v in batches[0].items() if k != "source_ids"})
+        assert telemetry.counts()["per_source"] == []
+    finally:
+        telemetry.detach()
+        hf_packing.revert_rmpad("qwen2_5_vl")

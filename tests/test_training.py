@@ -281,3 +281,45 @@ def test_prepare_trainer_restores_every_weight_on_resume(uneven_run, tiny_model,
     fixed = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
     prepare_trainer(Trainer(model=fixed, args=args), telemetry=False)._load_from_checkpoint(str(checkpoint))
     assert all(torch.equal(v, trained[k]) for k, v in fixed.state_dict().items())
+
+
+# ------------------------------------------------------------------------------------------ per-source loss logging
+def _per_source_run(tiny_model, split_data, work, all_reduce: bool) -> list[dict]:
+    mix = {"text": split_data["0"], "images": split_data["1"]}
+    proc, results, seconds = launch(
+        work, 240, model=str(tiny_model), mix=mix, max_steps=3, grad_accum=2, telemetry_all_reduce=all_reduce
+    )
+    check_ok(proc, results, seconds, f"per-source logging, all_reduce={all_reduce}")
+    return results
+
+
+def _weighted_gaps(log_history: list[dict]) -> list[float]:
+    """Per logging step: |Σ_s n_s · loss/s / Σ_s n_s − loss| / loss."""
+    gaps = []
+    for h in (h for h in log_history if "loss" in h and "step" in h and "train_runtime" not in h):
+        names = [k.split("/", 1)[1] for k in h if k.startswith("supervised_tokens/")]
+        n = {s: h[f"supervised_tokens/{s}"] for s in names}
+        weighted = sum(n[s] * h[f"loss/{s}"] for s in names if n[s]) / sum(n.values())
+        print(
+            f"step {h['step']}: loss {h['loss']:.6f}, token-weighted per-source {weighted:.6f}, "
+            + ", ".join(f"{s}: {h.get(f'loss/{s}', float('nan')):.4f} over {n[s]:.0f} tokens" for s in names)
+        )
+        gaps.append(abs(weighted - h["loss"]) / h["loss"])
+    return gaps
+
+
+def test_per_source_losses_average_to_the_logged_loss(tiny_model, split_data, tmp_path):
+    """A two-source mix, 2 processes, gradient accumulation 2, a log every step: the token-weighted mean of
+    ``loss/<source>`` equals the Trainer's logged ``loss`` of each window, and both ranks trained both sources.
+    Negative control: with the telemetry's all-reduce off, rank 0's own per-source numbers do not average to it."""
+    r0, _ = _per_source_run(tiny_model, split_data, tmp_path / "reduced", all_reduce=True)
+    gaps = _weighted_gaps(r0["log_history"])
+    print(f"largest relative gap {max(gaps):.1e}")
+    assert len(gaps) == 3 and max(gaps) < 1e-5
+    logged = [h for h in r0["log_history"] if "loss" in h and "train_runtime" not in h]
+    for s in ("text", "images"):
+        assert all(f"token_accuracy/{s}" in h and h[f"supervised_tokens/{s}"] > 0 for h in logged)
+    local, _ = _per_source_run(tiny_model, split_data, tmp_path / "local", all_reduce=False)
+    local_gaps = _weighted_gaps(local["log_history"])
+    print(f"rank 0 alone: largest relative gap {max(local_gaps):.1e}")
+    assert max(local_gaps) > 1e-4  # 10x the tolerance above

@@ -1,4 +1,5 @@
-"""``hf-packing``: ``demo`` (train a tiny model end to end on CPU) and ``stats`` (packing statistics from metadata)."""
+"""``hf-packing``: ``demo`` (train a tiny model end to end on CPU), ``stats`` (packing statistics from metadata) and
+``plot`` (loss and token accuracy curves, overall and per source, of a Trainer run)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("data", help="local json/jsonl/parquet/arrow file(s) or a saved datasets dir")
     stats.add_argument("--processor", required=True, help="local processor dir")
     stats.add_argument("--output", type=Path, default=Path("pack_stats.png"), help="histogram PNG")
+
+    plot = sub.add_parser("plot", help="loss / token accuracy curves, overall and per source, training and eval")
+    plot.add_argument("output_dir", type=Path, help="the Trainer's output_dir (or a trainer_state.json)")
+    plot.add_argument("--output", type=Path, help="PNG path (default: curves.png next to trainer_state.json)")
     return parser
 
 
@@ -77,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         if not last < first:
             print(f"loss did not fall ({first:.3f} -> {last:.3f})", file=sys.stderr)
             return 1
+        return 0
+    if args.command == "plot":
+        from .plots import run_plot
+
+        print(run_plot(args.output_dir, args.output))
         return 0
     from .stats import run_stats
 

@@ -1,4 +1,4 @@
-"""Pictures for the demo and ``hf-packing stats`` (matplotlib, Agg backend, imported lazily)."""
+"""Pictures for the demo, ``hf-packing stats`` and ``hf-packing plot`` (matplotlib, Agg backend, imported lazily)."""
 
 from __future__ import annotations
 
@@ -114,3 +114,103 @@ def plot_stats(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+#: (panel, training key, evaluation key, per-source training key, per-source evaluation key) that
+#: ``hf-packing plot`` draws; ``{}`` is a source name
+CURVES = (
+    ("loss", "loss", "eval_loss", "loss/{}", "eval_{}_loss"),
+    ("token accuracy", None, "eval_token_accuracy", "token_accuracy/{}", "eval_{}_token_accuracy"),
+)
+
+
+def source_names(log_history: Sequence[dict]) -> list[str]:
+    """The sources in a Trainer's ``log_history``: from ``loss/<name>`` (training) and ``eval_<name>_loss`` with
+    ``eval_<name>_token_accuracy`` (evaluation), in order of appearance."""
+    names: dict[str, None] = {}
+    for entry in log_history:
+        for key in entry:
+            if key.startswith("loss/"):
+                names[key[len("loss/") :]] = None
+            elif key.startswith("eval_") and key.endswith("_loss") and len(key) > len("eval_loss"):
+                name = key[len("eval_") : -len("_loss")]
+                if f"eval_{name}_token_accuracy" in entry:
+                    names[name] = None
+    return list(names)
+
+
+def training_curves(log_history: Sequence[dict]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """``{panel: {label: [(step, value), ...]}}`` from a Trainer's ``log_history`` (``trainer_state.json``).
+
+    Labels: ``train`` / ``eval`` (overall), ``train <source>`` / ``eval <source>``; a label without points is left
+    out (no overall training accuracy: the Trainer logs none).
+    """
+    sources = source_names(log_history)
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for panel, train_key, eval_key, train_source, eval_source in CURVES:
+        keys = {"train": train_key, "eval": eval_key}
+        for name in sources:
+            keys[f"train {name}"], keys[f"eval {name}"] = train_source.format(name), eval_source.format(name)
+        lines = {
+            label: [(int(e["step"]), float(e[key])) for e in log_history if key and key in e and "step" in e]
+            for label, key in keys.items()
+        }
+        curves[panel] = {label: points for label, points in lines.items() if points}
+    return curves
+
+
+def plot_curves(log_history: Sequence[dict], path: str | Path, *, title: str = "") -> Path:
+    """Loss and token accuracy, overall (black) and per source (one colour each), training (solid) and evaluation
+    (dashed, dots), against the optimizer step."""
+    plt = _pyplot()
+    curves = training_curves(log_history)
+    if not any(curves.values()):
+        raise ValueError("the log history has no loss or eval_loss entries: nothing to plot (set logging_steps)")
+    sources = source_names(log_history)
+    colours = {name: plt.get_cmap("tab10").colors[i % 10] for i, name in enumerate(sources)}
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 3.8))
+    for ax, (panel, lines) in zip(axes, curves.items(), strict=True):
+        for label, points in lines.items():
+            split, name = label.split(" ", 1) if " " in label else (label, None)
+            style = {"linestyle": "-", "marker": "."} if split == "train" else {"linestyle": "--", "marker": "o"}
+            steps, values = zip(*points, strict=True)
+            ax.plot(steps, values, color=colours.get(name, "black"), label=label, linewidth=1.2, markersize=3, **style)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(panel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title or "overall (black) and per source; training solid, evaluation dashed", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def find_trainer_state(output_dir: str | Path) -> Path:
+    """``trainer_state.json`` of a Trainer run: the file itself, ``OUTPUT_DIR/trainer_state.json`` (``save_state()``),
+    else the newest ``checkpoint-*/trainer_state.json``."""
+    path = Path(output_dir)
+    if path.is_file():
+        return path
+    if (path / "trainer_state.json").is_file():
+        return path / "trainer_state.json"
+    checkpoints = sorted(path.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[-1]))
+    if not checkpoints:
+        raise FileNotFoundError(
+            f"no trainer_state.json in {path} or its checkpoint-*/ dirs: pass the Trainer's output_dir (it is written "
+            "by trainer.save_state() and at every checkpoint)"
+        )
+    return checkpoints[-1]
+
+
+def run_plot(output_dir: str | Path, output: str | Path | None = None) -> Path:
+    """``hf-packing plot OUTPUT_DIR``: the curves of the run's ``trainer_state.json`` to ``output`` (default
+    ``curves.png`` next to it). Returns the PNG's path."""
+    import json
+
+    from .._compat import require_extra
+
+    require_extra("cli", "matplotlib", purpose="hf-packing plot")
+    state = find_trainer_state(output_dir)
+    history = json.loads(state.read_text())["log_history"]
+    return plot_curves(history, output or state.parent / "curves.png", title=f"{state}")

@@ -44,6 +44,8 @@ PACKING_PARAMETERS = (
     inspect.Parameter("skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=bool | None),
     # VisionCollator's host count of supervised targets: the loss selects them without a host sync
     inspect.Parameter("num_supervised_tokens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None),
+    # VisionCollator's per-sequence source ids: the loss sums per source inside `loss.counting_sources`
+    inspect.Parameter("source_ids", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=torch.Tensor | None),
 )
 
 
@@ -218,13 +220,15 @@ def _loss_and_logits(
     options: RmpadOptions,
     sp: SPGroup | None = None,
     num_supervised: int | None = None,
+    source_ids: torch.Tensor | None = None,
 ) -> tuple[CrossEntropySum | None, torch.Tensor | None]:
     """Σ CE over the flat row's supervised positions (per-sequence shift) and/or its ``(T, V)`` logits.
 
     Without logits the head runs in checkpointed chunks on supervised rows only; with them, once on all rows.
     Under sequence parallelism ``hidden`` is this rank's slice: the targets are shifted on the whole pack, then
     sliced; the CE is this slice's; logits (outputs only, no gradient) come from the gathered hidden states.
-    ``num_supervised`` (the collator's count for ``labels``) spares the loss its host sync.
+    ``num_supervised`` (the collator's count for ``labels``) spares the loss its host sync. ``source_ids`` (one per
+    sequence) fill `CrossEntropySum.per_source` inside `loss.counting_sources` (not under sequence parallelism).
     """
     targets = None
     if shift_labels is not None:
@@ -243,6 +247,10 @@ def _loss_and_logits(
         with torch.no_grad():
             logits = model.lm_head(gather_sequence(hidden, sp, flat.indices.numel()))
         return ce, logits
+    num_sources = loss_.counted_sources() if source_ids is not None and targets is not None else 0
+    sources = None
+    if num_sources:
+        sources = loss_.token_sources(source_ids, flat.seqs.cu_seqlens, num_sources, targets.shape[0])
     if not want_logits:
         ce = linear_cross_entropy_sum(
             hidden,
@@ -251,10 +259,12 @@ def _loss_and_logits(
             chunk_size=options.loss_chunk_size,
             use_liger=options.use_liger,
             num_supervised=num_supervised if shift_labels is None and labels is not None else None,
+            sources=sources,
+            num_sources=num_sources,
         )
         return ce, None
     logits = model.lm_head(hidden)
-    return (None if targets is None else cross_entropy_sum(logits, targets)), logits
+    return (None if targets is None else cross_entropy_sum(logits, targets, sources, num_sources)), logits
 
 
 def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptions) -> Callable:
@@ -294,6 +304,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             options,
             sp,
             packing["num_supervised_tokens"],
+            packing["source_ids"],
         )
         if sp is None:
             loss = None if ce is None else reduce_loss(ce.loss_sum, ce.num_supervised, num_items_in_batch)
