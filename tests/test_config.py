@@ -47,6 +47,7 @@ CUSTOM = PackingConfig(
     balance_window=4,
     length_index="/tmp/index",
     index_num_proc=2,
+    source_column="kind",
 )
 ROWS = [{"messages": [{"role": "user", "content": "hi " * n}, {"role": "assistant", "content": "ok"}]} for n in (3, 5)]
 
