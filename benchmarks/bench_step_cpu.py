@@ -32,8 +32,9 @@ RESULTS.md section (``bench_step_cpu_trl``).
 rows with ``cu_seqlens`` (`apply_rmpad`, reference backend): every text decoder layer compiled with
 ``fullgraph=True, dynamic=True`` (backend ``--compile-backend``, inductor by default) as ``tests/test_compile.py``
 does; the unpatched arms run first, then the patched ones under one `apply_rmpad` (a re-applied patch would fail
-dynamo's guards and recompile). The first step of a compiled arm (compilation) is reported apart; one more step per
-arm runs under `hf_packing.testing.syncs.SyncCounter` for the host syncs per step. Own section (``bench_step_cpu_compile``).
+dynamo's guards and recompile). The first step of a compiled arm (compilation) is reported apart; one more forward +
+backward per arm runs under `hf_packing.testing.syncs.SyncCounter` for the host syncs per step. Own section
+(``bench_step_cpu_compile``).
 
 Run: ``python benchmarks/bench_step_cpu.py`` (a few minutes; ``--quick`` for a smoke run; ``--trl``; ``--compile``).
 """
@@ -757,7 +758,8 @@ class _CountingBackend:
 
 
 def _syncs_per_step(arm: Arm, index: int) -> str:
-    """Host syncs of one more step (not timed): ``total (hf_packing's)``.
+    """Host syncs of one more forward + backward (not timed, no optimizer step: AdamW reads its step counters on
+    the host, the same in every arm): ``total (hf_packing's)``, as ``tests/test_syncs.py`` counts them.
 
     Counted with the compiled layers run eagerly: dynamo will not run compiled code under `SyncCounter`'s
     dispatch mode (it falls back to eager by itself), and a ``fullgraph=True`` layer cannot hold a syncing op (it
@@ -768,9 +770,8 @@ def _syncs_per_step(arm: Arm, index: int) -> str:
     from hf_packing.testing.syncs import SyncCounter
 
     with torch.compiler.set_stance("force_eager"), SyncCounter() as counter:
-        arm.step(index)
-    arm.losses.pop()
-    arm.phases.pop()
+        arm.model(**arm.batches[index]).loss.backward()
+    arm.model.zero_grad(set_to_none=True)
     return f"{counter.total} ({counter.by('hf_packing/')})"
 
 
@@ -798,7 +799,10 @@ def run_compile(args) -> None:
         if kind.startswith("rmpad"):
             apply_rmpad("qwen2_5_vl", attn_backend="reference")
         try:
-            times = {name: [arm.step(i) for i in range(num_batches)] for name, arm in arms.items()}
+            times: dict[str, list[float]] = {name: [] for name in arms}
+            for i in range(num_batches):  # interleaved step by step
+                for name, arm in arms.items():
+                    times[name].append(arm.step(i))
             syncs = {name: _syncs_per_step(arm, 1) for name, arm in arms.items()}
         finally:
             revert_rmpad("qwen2_5_vl")
@@ -836,7 +840,7 @@ def run_compile(args) -> None:
             "real tokens/s",
             "first step s (compiles)",
             "graphs compiled",
-            "host syncs / step (hf_packing's)",
+            "host syncs fwd+bwd (hf_packing's)",
             "first-step loss",
             "last-step loss",
         ],
@@ -848,11 +852,11 @@ def run_compile(args) -> None:
 - Versions: {C.versions()}
 - Machine: {C.machine(f"torch.set_num_threads({args.threads})")}; load average before {load_before}, after {C.load_average()}
 - Command: `{C.command_line()}`
-- Model and data: as in the section above (`step_config`, batches of {args.batch_size} samples, one row each); {args.steps} measured steps per arm after {args.warmup} warm-up step(s) and the compiling step; compile backend `{args.compile_backend}`, every text decoder layer `fullgraph=True, dynamic=True`; the vision tower, the loss and the optimizer stay eager. Host syncs: one more step under `SyncCounter` (syncing ops: all, and hf_packing's in brackets; counted with the layers eager, see `_syncs_per_step`: a fullgraph layer cannot hold one).
+- Model and data: as in the section above (`step_config`, batches of {args.batch_size} samples, one row each); {args.steps} measured steps per arm after {args.warmup} warm-up step(s) and the compiling step; compile backend `{args.compile_backend}`, every text decoder layer `fullgraph=True, dynamic=True`; the vision tower, the loss and the optimizer stay eager. Host syncs: one more forward + backward under `SyncCounter` (syncing ops: all, and hf_packing's in brackets; counted with the layers eager, see `_syncs_per_step`: a fullgraph layer cannot hold one).
 
 {table}
 
-The padded arms run first, then the rmpad arms (each group interleaves its eager and compiled copies). The losses of an arm's eager and compiled copies agree (same weights, same batches); a difference in the last digit is the compiled kernels' summation order. Timings on a shared 2-core machine under load from other jobs: read small differences with the load average above."""
+The padded arms run first, then the rmpad arms (each group interleaves its eager and compiled copies). The losses of an arm's eager and compiled copies agree (same weights, same batches); a difference in the last digit is the compiled kernels' summation order. Compiled rmpad is not faster here: under compile the CPU reference attention runs one SDPA with a dense (T, T) block mask (`masked_reference_varlen`, one graph for any number of sequences) instead of one SDPA per sequence, so it computes every cross-sequence score; the GPU backends were not measured compiled. Compilations: 5 graphs over the padded arm's 5 batches (of different widths; recompiles not bounded on padded rows), 2 over the rmpad arm's. Timings on a shared 2-core machine under load from other jobs: read small differences with the load average above."""
     if args.no_write:
         print(body)
     else:
