@@ -30,7 +30,10 @@ no arm needs its own copy of a 3.75B model):
   `VisionCollator(mode="rows")` + ``cu_seqlens``; ``rmpad+flash_attn`` too when flash-attn is importable.
 
 Vision tower frozen and trainable, separately. Per arm: median step time over measured steps, real tokens/s,
-samples/s, MFU, peak memory (`torch.cuda.max_memory_allocated`, reset before every step), first-step loss.
+samples/s, MFU, peak memory (`torch.cuda.max_memory_allocated`, reset before every step), first-step loss, and
+host syncs per step: one more (untimed) step under ``torch.cuda.set_sync_debug_mode("warn")``, whose warnings
+(one per synchronizing CUDA call, with the Python line that issued it) are counted and their top origins
+printed; on CPU (``--smoke``) `hf_packing.testing.syncs.SyncCounter` counts the same ops instead.
 
 MFU = model FLOPs / (step time x peak bf16 FLOP/s), with model FLOPs per step =
   6 · N_text · T  +  6 · L · d · Σ_docs len²           (text: N_text = non-embedding params + lm_head,
@@ -53,10 +56,12 @@ it never writes RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -324,6 +329,34 @@ def available_arms(device_type: str, sp: int = 1) -> list[tuple[str, str, str, s
     return arms
 
 
+def count_syncs(step: Callable[[], None], device) -> tuple[int, collections.Counter]:
+    """Host syncs of one call of ``step``: (count, origins ``file:line`` -> count).
+
+    CUDA: ``torch.cuda.set_sync_debug_mode("warn")`` makes every synchronizing CUDA call (``.item()``, ``nonzero``,
+    a device-to-host copy, a blocking ``synchronize``) raise a warning at the Python line that issued it. CPU: the
+    same ops counted by `SyncCounter` (a dispatch mode), for the smoke run.
+    """
+    import warnings
+
+    import torch
+
+    if device.type != "cuda":
+        from hf_packing.testing.syncs import SyncCounter
+
+        with SyncCounter() as counter:
+            step()
+        return counter.total, collections.Counter({where: n for (_, where), n in counter.syncs.items()})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    return len(syncs), collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+
+
 def run_setting(
     model, optimizer, config, params, batches, arms, *, warmup: int, steps: int, vision_trainable: bool, device
 ) -> dict[str, dict[str, Any]]:
@@ -333,7 +366,9 @@ def run_setting(
 
     cuda = device.type == "cuda"
     model.model.visual.requires_grad_(vision_trainable)
-    results = {name: {"times": [], "peak": [], "comm": [], "loss": None, "error": None} for name, *_ in arms}
+    results = {
+        name: {"times": [], "peak": [], "comm": [], "loss": None, "error": None, "syncs": None} for name, *_ in arms
+    }
     states = {}  # per SP size, the state of its first apply: its mesh and timer outlive the per-step reverts
     for i in range(warmup + steps):
         for name, kind, impl, backend, sp in arms:
@@ -383,6 +418,25 @@ def run_setting(
             ),
             flush=True,
         )
+    for name, kind, impl, backend, sp in arms:  # one more step per arm, untimed: its host syncs
+        res = results[name]
+        if res["error"]:
+            continue
+        model.set_attn_implementation(impl)
+        if backend:
+            apply_rmpad("qwen2_5_vl", attn_backend=backend, sequence_parallel_size=sp)
+
+        def step(batch=batches[kind][warmup]) -> None:
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        try:
+            res["syncs"], origins = count_syncs(step, device)
+        finally:
+            if backend:
+                revert_rmpad("qwen2_5_vl")
+        print(f"[gpu] {name}: {res['syncs']} host syncs per step; top origins {origins.most_common(6)}", flush=True)
     model.set_attn_implementation("sdpa")
     measured = batches["padded"][warmup:]
     for name, *_ in arms:
@@ -500,7 +554,7 @@ def main(argv: list[str] | None = None) -> None:
             for name, *_, sp in arms:
                 r = res[name]
                 if r["error"] or "median_s" not in r:
-                    rows.append([str(length), vision, name, r["error"] or "no measurement", "", "", "", "", "", ""])
+                    rows.append([str(length), vision, name, r["error"] or "no measurement", "", "", "", "", "", "", ""])
                     continue
                 r["tflops"] /= sp  # per GPU: an SP group of `sp` GPUs trains one pack
                 mfu = r["tflops"] / args.peak_tflops
@@ -520,6 +574,7 @@ def main(argv: list[str] | None = None) -> None:
                         if ceiling == ceiling
                         else f"{r['tflops']:.3f} TFLOP/s",
                         f"{r['peak_gib']:.1f}",
+                        str(r["syncs"]),
                         f"{r['loss']:.5f}",
                         f"{rel:.1e}",
                     ]
@@ -529,6 +584,7 @@ def main(argv: list[str] | None = None) -> None:
                     str(length),
                     vision,
                     f"(pack fill {fill:.3f}; padded real-token fraction {real_frac:.3f})",
+                    "",
                     "",
                     "",
                     "",
@@ -552,6 +608,7 @@ def main(argv: list[str] | None = None) -> None:
             "samples/s",
             f"MFU vs {args.peak_tflops:.0f} (vs matmul ceiling)",
             "peak GiB",
+            "host syncs / step",
             "first-step loss",
             "rel. diff vs padded",
         ],
@@ -564,7 +621,7 @@ def main(argv: list[str] | None = None) -> None:
 - Machine: {gpu_name}; {C.cpu_model()}
 - Command: `{C.command_line()}`
 - Model: Qwen2.5-VL-3B-shaped, random init, {params["total"] / 1e6:,.0f}M parameters ({args.layers} text layers, {args.vision_layers} vision blocks), {str(dtype).replace("torch.", "")}, activation checkpointing {"off" if args.no_grad_ckpt or args.smoke else "on"}; AdamW lr=0 shared by all arms (full optimizer work, weights unchanged).
-- Method: arms interleaved step by step on the same packs; {args.warmup} warm-up + median of {args.steps} measured steps; `torch.cuda.synchronize()` around each step; peak memory = `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()` before each step (includes weights, grads and AdamW state).
+- Method: arms interleaved step by step on the same packs; {args.warmup} warm-up + median of {args.steps} measured steps; `torch.cuda.synchronize()` around each step; peak memory = `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()` before each step (includes weights, grads and AdamW state); host syncs = warnings of `torch.cuda.set_sync_debug_mode("warn")` in one more step per arm.
 - bf16 8192³ matmul ceiling measured in this run: **{ceiling:.0f} TFLOP/s**. MFU formula in the script docstring (6·N·T + 6·L·d·Σlen² per document for text; vision likewise, 2·N instead of 6·N when frozen).
 
 {table}

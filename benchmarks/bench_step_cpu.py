@@ -28,7 +28,15 @@ unpatched vs `apply_rmpad` (the patched backbone flattens the batch), on the sam
 a step = ``SFTTrainer.training_step`` (forward + backward) + ``AdamW.step()`` + ``zero_grad``. Writes its own
 RESULTS.md section (``bench_step_cpu_trl``).
 
-Run: ``python benchmarks/bench_step_cpu.py`` (a few minutes; ``--quick`` for a smoke run; ``--trl``).
+``--compile``: instead, eager vs per-layer compiled in the same run, on the padded rows (unpatched) and on the same
+rows with ``cu_seqlens`` (`apply_rmpad`, reference backend): every text decoder layer compiled with
+``fullgraph=True, dynamic=True`` (backend ``--compile-backend``, inductor by default) as ``tests/test_compile.py``
+does; the unpatched arms run first, then the patched ones under one `apply_rmpad` (a re-applied patch would fail
+dynamo's guards and recompile). The first step of a compiled arm (compilation) is reported apart; one more forward +
+backward per arm runs under `hf_packing.testing.syncs.SyncCounter` for the host syncs per step. Own section
+(``bench_step_cpu_compile``).
+
+Run: ``python benchmarks/bench_step_cpu.py`` (a few minutes; ``--quick`` for a smoke run; ``--trl``; ``--compile``).
 """
 
 from __future__ import annotations
@@ -382,6 +390,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="2 measured steps, batch 4; does not write anything")
     parser.add_argument("--no-write", action="store_true", help="print instead of writing RESULTS.md / the plot")
     parser.add_argument("--trl", action="store_true", help="TRL SFTTrainer step, unpatched vs rmpad (own section)")
+    parser.add_argument("--compile", action="store_true", help="eager vs per-layer compiled arms (own section)")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of --compile")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     parser.add_argument("--rss-out", help=argparse.SUPPRESS)
@@ -403,6 +413,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.trl:
         run_trl(args)
+        return
+    if args.compile:
+        run_compile(args)
         return
     torch.set_num_threads(args.threads)
     load_before = C.load_average()
@@ -728,6 +741,128 @@ Both arms run TRL's own head (on CPU it scores every position of the `(B, L)` ro
 
 
 #: Observations from the runs that the numbers above do not explain by themselves.
+# ------------------------------------------------------------------------------------------------ --compile
+
+
+class _CountingBackend:
+    """``torch.compile`` backend that counts the graphs it is handed (recompilations included)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend, self.graphs = backend, 0
+
+    def __call__(self, gm, example_inputs):
+        import torch
+
+        self.graphs += 1
+        return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+
+
+def _syncs_per_step(arm: Arm, index: int) -> str:
+    """Host syncs of one more forward + backward (not timed, no optimizer step: AdamW reads its step counters on
+    the host, the same in every arm): ``total (hf_packing's)``, as ``tests/test_syncs.py`` counts them.
+
+    Counted with the compiled layers run eagerly: dynamo will not run compiled code under `SyncCounter`'s
+    dispatch mode (it falls back to eager by itself), and a ``fullgraph=True`` layer cannot hold a syncing op (it
+    would be a graph break, which fullgraph refuses), so the compiled step issues what the eager step issues
+    outside the layers."""
+    import torch
+
+    from hf_packing.testing.syncs import SyncCounter
+
+    with torch.compiler.set_stance("force_eager"), SyncCounter() as counter:
+        arm.model(**arm.batches[index]).loss.backward()
+    arm.model.zero_grad(set_to_none=True)
+    return f"{counter.total} ({counter.by('hf_packing/')})"
+
+
+def run_compile(args) -> None:
+    """Eager vs per-layer compiled, padded rows (unpatched) vs rmpad, same batches, one process."""
+    import torch
+
+    from hf_packing.patches import apply_rmpad, revert_rmpad
+
+    torch.set_num_threads(args.threads)
+    load_before, t_start = C.load_average(), time.time()
+    num_batches = 1 + args.warmup + args.steps  # step 0 of a compiled arm compiles
+    batches = make_batches(num_batches, args.batch_size)
+    base = build_model()
+    results: dict[str, dict[str, Any]] = {}
+    for kind, data in (("padded+sdpa", "padded+sdpa"), ("rmpad+reference", "rmpad+reference")):
+        torch._dynamo.reset()
+        backend = _CountingBackend(args.compile_backend)
+        arms = {kind: Arm(kind, copy.deepcopy(base), batches[data])}
+        arms[f"{kind} compiled"] = Arm(f"{kind} compiled", copy.deepcopy(base), batches[data])
+        for layer in arms[f"{kind} compiled"].model.model.language_model.layers:
+            layer.compile(fullgraph=True, dynamic=True, backend=backend)
+        for arm in arms.values():
+            arm.rmpad = False  # patched once for the group below, not per step
+        if kind.startswith("rmpad"):
+            apply_rmpad("qwen2_5_vl", attn_backend="reference")
+        try:
+            times: dict[str, list[float]] = {name: [] for name in arms}
+            for i in range(num_batches):  # interleaved step by step
+                for name, arm in arms.items():
+                    times[name].append(arm.step(i))
+            syncs = {name: _syncs_per_step(arm, 1) for name, arm in arms.items()}
+        finally:
+            revert_rmpad("qwen2_5_vl")
+        for name, arm in arms.items():
+            results[name] = {
+                "first_s": times[name][0],
+                "median_ms": C.median(times[name][1 + args.warmup :]) * 1e3,
+                "graphs": backend.graphs if name.endswith("compiled") else 0,
+                "syncs": syncs[name],
+                "first_loss": arm.losses[0],
+                "last_loss": arm.losses[-1],
+            }
+            print(f"[compile] {name}: {results[name]}", flush=True)
+    real = [batch_stats(b)["real"] for b in batches["padded+sdpa"][1 + args.warmup :]]
+    pad = results["padded+sdpa"]["median_ms"]
+    rows = [
+        [
+            name,
+            f"**{r['median_ms']:,.0f}**",
+            f"{r['median_ms'] / pad:.3f}",
+            f"{C.median(n / (r['median_ms'] / 1e3) for n in real):,.0f}",
+            f"{r['first_s']:,.1f}",
+            str(r["graphs"]),
+            r["syncs"],
+            f"{r['first_loss']:.7f}",
+            f"{r['last_loss']:.7f}",
+        ]
+        for name, r in results.items()
+    ]
+    table = C.md_table(
+        [
+            "arm",
+            "median step ms",
+            "time / padded eager",
+            "real tokens/s",
+            "first step s (compiles)",
+            "graphs compiled",
+            "host syncs fwd+bwd (hf_packing's)",
+            "first-step loss",
+            "last-step loss",
+        ],
+        rows,
+    )
+    body = f"""## CPU training step: eager vs per-layer compiled, padded vs rmpad (`bench_step_cpu.py --compile`)
+
+- Date: {C.today()}; took {time.time() - t_start:,.0f} s
+- Versions: {C.versions()}
+- Machine: {C.machine(f"torch.set_num_threads({args.threads})")}; load average before {load_before}, after {C.load_average()}
+- Command: `{C.command_line()}`
+- Model and data: as in the section above (`step_config`, batches of {args.batch_size} samples, one row each); {args.steps} measured steps per arm after {args.warmup} warm-up step(s) and the compiling step; compile backend `{args.compile_backend}`, every text decoder layer `fullgraph=True, dynamic=True`; the vision tower, the loss and the optimizer stay eager. Host syncs: one more forward + backward under `SyncCounter` (syncing ops: all, and hf_packing's in brackets; counted with the layers eager, see `_syncs_per_step`: a fullgraph layer cannot hold one).
+
+{table}
+
+The padded arms run first, then the rmpad arms (each group interleaves its eager and compiled copies). The losses of an arm's eager and compiled copies agree (same weights, same batches); a difference in the last digit is the compiled kernels' summation order. Compiled rmpad is not faster here: under compile the CPU reference attention runs one SDPA with a dense (T, T) block mask (`masked_reference_varlen`, one graph for any number of sequences) instead of one SDPA per sequence, so it computes every cross-sequence score; the GPU backends were not measured compiled. Compilations: 5 graphs over the padded arm's 5 batches (of different widths; recompiles not bounded on padded rows), 2 over the rmpad arm's. Timings on a shared 2-core machine under load from other jobs: read small differences with the load average above."""
+    if args.no_write:
+        print(body)
+    else:
+        C.write_section("bench_step_cpu_compile", body)
+
+
 NOTES: list[str] = [
     "One thread by default: on this 2-core machine, shared with other jobs, `--threads 2` made every step 2-3x "
     "slower and erratic (each parallel op waits for the thread that lost its core); one thread gives stable "

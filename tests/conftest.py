@@ -175,6 +175,29 @@ def processed_samples(processor, rows=None) -> list[dict[str, torch.Tensor]]:
     return samples
 
 
+def sgd_training_args(output_dir, **overrides):
+    """`TrainingArguments` for exact CPU comparisons: plain SGD, constant LR 1.0, no clipping or decay, no saving,
+    one log line per step, in-process data loading; ``overrides`` replace any of them."""
+    from transformers import TrainingArguments
+
+    settings = dict(
+        output_dir=str(output_dir),
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        logging_steps=1,
+        seed=0,
+    )
+    return TrainingArguments(**{**settings, **overrides})
+
+
 @pytest.fixture(autouse=True)
 def _always_revert():
     """Patches are class-level; no test may leak them into the next."""

@@ -4,6 +4,25 @@ Syncing ops (`hf_packing.testing.syncs`) are attributed to the Python frame that
 batches (boundaries, M-RoPE positions and the supervised count computed in the DataLoader worker) hf_packing
 issues none; transformers' remaining ones (vision tower, placeholder checks) are printed with their origin, and
 none of them grows with the number of layers or sequences.
+
+``Tensor.tolist()`` host reads are counted apart (`SyncCounter.host_reads`; on a GPU each is a device-to-host copy
+that waits too). hf_packing still makes a fixed number per step on collator packs, none per layer or per sequence
+(held here): 6 on Qwen2-VL / Qwen3-VL(-MoE), 7 on Qwen2.5-VL (`bench_syncs.py`, one batch of 5 rows)::
+
+    varlen.validate_attention_mask     1  row lengths of the mask (rows mode: its boundaries)
+    _flatten.sequence_boundaries       1  seqlens of cu_seqlens, when a row holds several samples (not in the gate)
+    _flatten.check_placeholders        3  placeholder counts per sequence, image and video grids (wrong pack: error)
+    _vision.tower_calls (encode)       1  patches per item, to split the one tower call back into images / videos
+    _attention._VisionBoundaries       1 per distinct vision cu_seqlens (Qwen2.5-VL: 2, full and windowed)
+
+All of them are on the collator path. The collator knows each of these values on the host (row lengths, seqlens,
+placeholder counts, grids; vision cu_seqlens from the grids and the tower's window rule); passing them with the
+batch, as it already passes ``max_seqlen`` and ``num_supervised_tokens``, would remove them (not done yet). The
+package's other host reads are outside this step: evaluation totals (`evaluation.py`), the telemetry callback's
+log vector and FLOPs (`telemetry.py`, `flops.py`, once per logging step), the vision split under sequence
+parallelism only (`sequence_parallel.py`), position-id rows' restarts (`_flatten.py`, not a collator batch), and
+``seqlens`` of `PackedSequences` made without them (`varlen.py`, `linear_attention.py`: never on `flatten_batch`'s
+output, which always carries them).
 """
 
 from __future__ import annotations
@@ -39,7 +58,7 @@ def gate(model_type: str) -> list[str]:
     processor = load_processor(model_type)
     samples = processed_samples(processor)
     packs = {2: [samples[1], samples[4]], 8: [samples[1], samples[4]] + [samples[0]] * 6}  # same vision, more text
-    totals, failures = {}, []
+    totals, reads, failures = {}, {}, []
     for layers in (2, 4):
         model = build_tiny_model(model_type, processor_dir=FIXTURES / model_type, **_layers(model_type, layers))
         collate = VisionCollator(processor, model_config=model.config)  # as recipes/train.py builds it
@@ -51,6 +70,7 @@ def gate(model_type: str) -> list[str]:
             finally:
                 hf_packing.revert_rmpad(model_type)
             totals[layers, n_seqs] = patched.total
+            reads[layers, n_seqs] = sum(n for (_, at), n in patched.host_reads.items() if at.startswith("hf_packing/"))
             base = "-" if unpatched is None else unpatched.total
             print(f"\n{model_type} layers={layers} seqs={n_seqs}: unpatched {base}, patched {patched.total}")
             print(patched.report())
@@ -62,6 +82,8 @@ def gate(model_type: str) -> list[str]:
         failures.append(f"syncs grow with layers: {totals[2, 2]} at 2, {totals[4, 2]} at 4")
     if totals[2, 2] != totals[2, 8]:
         failures.append(f"syncs grow with sequences: {totals[2, 2]} at 2, {totals[2, 8]} at 8")
+    if not reads[2, 2] == reads[4, 2] == reads[2, 8]:
+        failures.append(f"hf_packing's tolist reads grow: {reads}")
     return failures
 
 

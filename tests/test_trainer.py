@@ -8,33 +8,21 @@ import torch
 import hf_packing
 from hf_packing import VisionCollator
 from hf_packing.testing.tiny import build_tiny_model
-from tests.conftest import FIXTURES, conversations, load_processor, processed_samples
+from tests.conftest import FIXTURES, conversations, load_processor, processed_samples, sgd_training_args
 
 
 def _one_sgd_step(tmp_path, packs, *, batch_size: int, accumulation: int, patched: bool) -> dict[str, torch.Tensor]:
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     processor = load_processor("qwen2_5_vl")
     model = build_tiny_model("qwen2_5_vl", processor_dir=FIXTURES / "qwen2_5_vl")
     if patched:
         hf_packing.apply_rmpad("qwen2_5_vl")
-    args = TrainingArguments(
-        output_dir=str(tmp_path / f"run{batch_size}{accumulation}{patched}"),
+    args = sgd_training_args(
+        tmp_path / f"run{batch_size}{accumulation}{patched}",
         per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=accumulation,
         max_steps=1,
-        learning_rate=1.0,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        logging_steps=1,
-        seed=0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=packs, data_collator=VisionCollator(processor))
     trainer.train()

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 from ._attention import PACKED_KWARG
 from ._forward import (
+    CallBinder,
     RmpadOptions,
     as_patched_forward,
-    bind_call,
     flatten_call,
     is_generation_call,
     repad_hidden_states,
@@ -39,12 +39,12 @@ from ._spec import FamilySpec
 
 def make_backbone_forward(original: Callable, spec: FamilySpec, options: RmpadOptions) -> Callable:
     """Build the patched ``XModel.forward`` for one family, with ``options`` bound (apply again to change them)."""
-    signature = inspect.signature(original)
+    bind_call = CallBinder(inspect.signature(original))
 
     def forward(self, *args, **kwargs):
         if kwargs.get(PACKED_KWARG) is not None:  # flattened already (the patched top-level forward)
             return original(self, *args, **kwargs, return_dict=True)
-        call, extra, packing = bind_call(signature, self, args, kwargs)
+        call, extra, packing = bind_call(args, kwargs)
         if is_generation_call(call, resolve_use_cache(self, call.get("use_cache", extra.get("use_cache")))):
             return original(self, *args, **without_packing(kwargs), return_dict=True)
         if options.sequence_parallel_size > 1:

@@ -105,13 +105,43 @@ def resolve_use_cache(backbone, use_cache: bool | None) -> bool:
     return bool(use_cache) and not (backbone.training and checkpointing)
 
 
-def bind_call(signature: inspect.Signature, self, args, kwargs) -> tuple[dict, dict, dict]:
-    """A forward call as (named arguments, the ``**kwargs`` rest, the `PACKING_PARAMETERS` values)."""
-    call = signature.bind(self, *args, **kwargs).arguments
-    call.pop("self")
-    extra = dict(call.pop("kwargs", {}))
-    packing = {p.name: extra.pop(p.name, None) for p in PACKING_PARAMETERS}
-    return call, extra, packing
+class CallBinder:
+    """``inspect.Signature.bind`` for a forward, as plain tuples: a call as (named arguments, the ``**kwargs`` rest,
+    the `PACKING_PARAMETERS` values).
+
+    Not ``Signature.bind`` itself: it reads ``Signature.parameters``, a ``mappingproxy``, and once the traced frame
+    has mutated a dict (transformers' output-capturing wrapper does) dynamo refuses to read a mappingproxy
+    (``Unsupported: mapping proxy affected by dictionary mutation``), which broke ``fullgraph=True`` compilation
+    of the generation path. Tuples and dicts built here trace.
+    """
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        self.signature = signature
+        params = list(signature.parameters.values())[1:]  # without self
+        kinds = inspect.Parameter
+        self.positional = tuple(
+            p.name for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+        )
+        self.named = frozenset(p.name for p in params if p.kind is not kinds.VAR_KEYWORD)
+        self.var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in params)
+        self.packing = tuple(p.name for p in PACKING_PARAMETERS)
+
+    def __call__(self, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+        if len(args) > len(self.positional):
+            raise TypeError(f"forward() takes {len(self.positional)} positional arguments but {len(args)} were given")
+        call = dict(zip(self.positional, args))
+        extra = {}
+        for name, value in kwargs.items():
+            if name in call:
+                raise TypeError(f"forward() got multiple values for argument {name!r}")
+            if name in self.named:
+                call[name] = value
+            elif self.var_keyword:
+                extra[name] = value
+            else:
+                raise TypeError(f"forward() got an unexpected keyword argument {name!r}")
+        packing = {name: extra.pop(name, None) for name in self.packing}
+        return call, extra, packing
 
 
 def is_generation_call(call: dict, generation_like: bool) -> bool:
@@ -269,11 +299,11 @@ def _loss_and_logits(
 
 def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptions) -> Callable:
     """Build the patched forward for one family, with ``options`` bound (apply again to change them)."""
-    signature = inspect.signature(original)
+    bind_call = CallBinder(inspect.signature(original))
     output_class = _output_class(original, spec)
 
     def forward(self, *args, **kwargs):
-        call, extra, packing = bind_call(signature, self, args, kwargs)
+        call, extra, packing = bind_call(args, kwargs)
         labels, shift_labels = call.pop("labels", None), extra.pop("shift_labels", None)
         supervised = labels is not None or shift_labels is not None
         use_cache = call.get("use_cache", extra.get("use_cache"))
@@ -287,7 +317,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
         if spec.moe:
             # as the original resolves it: the config's default where it is a parameter (5.23), else only when asked
             router = model_kwargs.get("output_router_logits")
-            default = "output_router_logits" in signature.parameters and self.config.text_config.output_router_logits
+            default = "output_router_logits" in bind_call.named and self.config.text_config.output_router_logits
             model_kwargs["output_router_logits"] = bool(default) if router is None else router
         sp = options.sequence_parallel.group()
         # evaluation too: FSDP2 / ZeRO-3 all-gather the tower's parameters in every forward, with or without grad
