@@ -19,6 +19,7 @@ __all__ = [
     "VisionCollator",
     "prepare_trainer",
     "end_distributed",
+    "end_process",
 ]
 
 # Lazy re-exports keep `import hf_packing` free of transformers/torch work until a name is used.
@@ -32,12 +33,13 @@ _LAZY = {
     "VisionCollator": "hf_packing.collator",
     "prepare_trainer": "hf_packing.trainer",
     "end_distributed": "hf_packing.distributed",
+    "end_process": "hf_packing.distributed",
 }
 
 if TYPE_CHECKING:
     from .collator import VisionCollator
     from .config import PackingConfig
-    from .distributed import end_distributed
+    from .distributed import end_distributed, end_process
     from .patches import apply_rmpad, revert_rmpad, supported_model_types
     from .planner import plan_packs
     from .stream import pack_dataset

@@ -354,3 +354,6 @@ def main(argv: list[str] | None = None) -> Trainer:
 
 if __name__ == "__main__":
     main()
+    from hf_packing import end_process
+
+    end_process()  # skip interpreter finalization (where a late C++ thread can still abort), like multiprocessing

@@ -34,6 +34,7 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 240) -> 
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONFAULTHANDLER": "1",  # an abort prints every Python thread's stack: which thread was still busy
     }
     proc = subprocess.Popen(
         cmd + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True

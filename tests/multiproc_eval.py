@@ -122,3 +122,6 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()
+    from hf_packing.distributed import end_process
+
+    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.distributed)

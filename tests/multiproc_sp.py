@@ -37,7 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_packing.distributed import end_distributed
+from hf_packing.distributed import end_distributed, end_process
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -349,3 +349,4 @@ def packer_groups(size: int) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.distributed)
