@@ -178,3 +178,30 @@ def test_per_source_logging_adds_no_host_sync(monkeypatch):
         assert control.total == off.total + 1
     finally:
         hf_packing.revert_rmpad("qwen2_5_vl")
+
+
+def test_collated_boundaries_are_checked_on_the_device():
+    """The collator's ``seqlens`` replace the mask's host read; a batch whose mask or boundaries disagree with them
+    still fails (``torch._assert_async``), and without them the patch reads and checks the mask itself."""
+    processor = load_processor("qwen2_vl")
+    model = build_tiny_model("qwen2_vl", processor_dir=FIXTURES / "qwen2_vl")
+    samples = processed_samples(processor)
+    batch = VisionCollator(processor, model_config=model.config, return_cu_seqlens=True)([samples[0], samples[1]])
+    hf_packing.apply_rmpad("qwen2_vl")
+    try:
+        with SyncCounter() as counter:
+            model(**batch)
+        boundary_reads = ("validate_attention_mask", "sequence_boundaries")
+        assert not [at for _, at in counter.host_reads if at.endswith(boundary_reads)]
+        short = dict(batch, attention_mask=batch["attention_mask"].clone())
+        short["attention_mask"][0, batch["seqlens"][0] - 1] = 0
+        with pytest.raises(RuntimeError, match="attention_mask does not match VisionCollator's seqlens"):
+            model(**short)
+        shifted = dict(batch, cu_seqlens=batch["cu_seqlens"] + torch.tensor([0, 1, 0], dtype=torch.int32))
+        with pytest.raises(RuntimeError, match="cu_seqlens does not match VisionCollator's seqlens"):
+            model(**shifted)
+        with SyncCounter() as counter:
+            model(**{k: v for k, v in batch.items() if k != "seqlens"})
+        assert [at for _, at in counter.host_reads if at.endswith(boundary_reads)]  # the control reads
+    finally:
+        hf_packing.revert_rmpad("qwen2_vl")

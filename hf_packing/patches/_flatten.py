@@ -9,10 +9,11 @@ Every input format transformers accepts is taken, and two sequences are never me
               │                                     │
               └──────────────► flat ids a a a b b b b b (c)   cu_seqlens [0, 3, 8, (9)]
 
-Boundaries come from, in order: explicit ``cu_seqlens`` / ``cu_seq_lens_q`` (our collator, transformers'
-flash kwargs); the text-position row when position ids restart inside a row that has no padding (a
-restart is a step other than +1, transformers' ``find_packed_sequence_indices`` rule); else one sequence
-per row of the attention mask. A row that has an attention mask *and* restarting position ids, or
+Boundaries come from, in order: `VisionCollator`'s host ``seqlens`` (it built the mask and boundaries from
+them; checked here on the device, with no host read); explicit ``cu_seqlens`` / ``cu_seq_lens_q`` (our
+collator, transformers' flash kwargs); the text-position row when position ids restart inside a row that
+has no padding (a restart is a step other than +1, transformers' ``find_packed_sequence_indices`` rule);
+else one sequence per row of the attention mask. A row that has an attention mask *and* restarting position ids, or
 restarting 3-row M-RoPE positions without a text row, is ambiguous and raises.
 """
 
@@ -88,6 +89,7 @@ def sequence_boundaries(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
+    seqlens: list[int] | None = None,
 ) -> tuple[torch.Tensor, PackedSequences]:
     """The flat indices of real tokens and the sequences they form (see the module docstring).
 
@@ -96,13 +98,16 @@ def sequence_boundaries(
         attention_mask (`torch.Tensor` of shape `(B, L)`, *optional*): 0/1 padding mask.
         position_ids (`torch.LongTensor` of shape `(B, L)`, `(3, B, L)` or `(4, B, L)`, *optional*).
         cu_seqlens (`torch.IntTensor` of shape `(n + 1,)`, *optional*): explicit boundaries over the real tokens.
+        seqlens (`list[int]`, *optional*): `VisionCollator`'s host lengths of the sequences (see `collated_boundaries`).
 
     Returns:
-        indices (`torch.LongTensor` of shape `(T,)`) and `PackedSequences` (one host sync).
+        indices (`torch.LongTensor` of shape `(T,)`) and `PackedSequences` (one host read; none with ``seqlens``).
 
     Raises:
         ValueError: for a malformed mask, boundaries that do not cover the real tokens, or ambiguous input.
     """
+    if seqlens is not None:
+        return collated_boundaries(input_ids, attention_mask, cu_seqlens, seqlens)
     if attention_mask is None:
         lengths = [input_ids.shape[1]] * input_ids.shape[0]
         indices = torch.arange(input_ids.numel(), device=input_ids.device)
@@ -113,11 +118,7 @@ def sequence_boundaries(
     if cu_seqlens is not None:
         seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         if sum(seqlens) != indices.numel():
-            raise ValueError(
-                f"cu_seqlens covers {sum(seqlens)} tokens but the batch has {indices.numel()} real tokens. Under "
-                "the HF Trainer this means accelerate sliced the batch (dispatch_batches): call "
-                "hf_packing.prepare_trainer(trainer), or set accelerator_config={'dispatch_batches': False}"
-            )
+            raise _dispatch_error(sum(seqlens), indices.numel())
         cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32).contiguous()
         return indices, PackedSequences(cu_seqlens=cu, max_seqlen=max(seqlens, default=0), seqlens=seqlens)
     text, mrope = _text_positions(position_ids)
@@ -150,6 +151,50 @@ def sequence_boundaries(
         edges = [0, *cuts.get(row, []), length]
         seqlens += [b - a for a, b in zip(edges[:-1], edges[1:])]
     return indices, PackedSequences.from_seqlens(seqlens, device=input_ids.device)
+
+
+def _dispatch_error(covered: int, real: int) -> ValueError:
+    return ValueError(
+        f"cu_seqlens covers {covered} tokens but the batch has {real} real tokens. Under "
+        "the HF Trainer this means accelerate sliced the batch (dispatch_batches): call "
+        "hf_packing.prepare_trainer(trainer), or set accelerator_config={'dispatch_batches': False}"
+    )
+
+
+def collated_boundaries(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None, seqlens: list[int]
+) -> tuple[torch.Tensor, PackedSequences]:
+    """`sequence_boundaries` of a `VisionCollator` batch, from its host ``seqlens``: no host read.
+
+    The collator built the mask (one sample per row, ``mode="rows"``) or ``cu_seq_lens_q`` (one flat row,
+    ``mode="flat"``) from these lengths, so the host checks of `validate_attention_mask` are not repeated; the
+    device checks that the tensors still agree with them (``torch._assert_async``: raises without waiting).
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(B, L)`), attention_mask (`(B, L)`, *optional*), cu_seqlens
+            (`(n + 1,)`, *optional*), seqlens (`list[int]`, ``n`` host lengths: one per row with a mask).
+    """
+    device = input_ids.device
+    seqs = PackedSequences.from_seqlens(seqlens, device=device)
+    if attention_mask is None:
+        if sum(seqlens) != input_ids.numel():
+            raise _dispatch_error(sum(seqlens), input_ids.numel())
+        indices = torch.arange(input_ids.numel(), device=device)
+    else:
+        if len(seqlens) != input_ids.shape[0]:
+            raise ValueError(
+                f"seqlens lists {len(seqlens)} sequences for {input_ids.shape[0]} rows; VisionCollator(mode='rows') "
+                "gives one per row (under the HF Trainer: call hf_packing.prepare_trainer(trainer))"
+            )
+        lengths = attention_mask.to(device).sum(-1)
+        torch._assert_async(
+            (lengths == seqs.cu_seqlens.diff()).all(), "attention_mask does not match VisionCollator's seqlens"
+        )
+        indices = torch.nonzero_static(attention_mask.flatten(), size=sum(seqlens)).flatten().to(device)
+    if cu_seqlens is not None:
+        same = (cu_seqlens.to(device=device, dtype=torch.int32) == seqs.cu_seqlens).all()
+        torch._assert_async(same, "cu_seqlens does not match VisionCollator's seqlens")
+    return indices, seqs
 
 
 def rope_positions(
@@ -199,13 +244,14 @@ def flatten_batch(
     image_grid_thw,
     video_grid_thw,
     extra: dict[str, Any],
+    seqlens: list[int] | None = None,
 ) -> FlatBatch:
     """Remove the padding once: the caller's ``(B, L)`` batch as a `FlatBatch` (checks placeholders per sequence).
 
     ``backbone`` is the family's ``XModel`` (``model.model``): its config and ``get_rope_index``.
     """
     batch, length = input_ids.shape
-    indices, seqs = sequence_boundaries(input_ids, attention_mask, position_ids, cu_seqlens)
+    indices, seqs = sequence_boundaries(input_ids, attention_mask, position_ids, cu_seqlens, seqlens)
     flat_ids = index_first_axis(input_ids.flatten(), indices).unsqueeze(0)
     if image_grid_thw is not None or video_grid_thw is not None:
         check_placeholders(backbone.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)

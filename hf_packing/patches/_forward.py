@@ -44,6 +44,8 @@ PACKING_PARAMETERS = (
     inspect.Parameter("skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=bool | None),
     # VisionCollator's host count of supervised targets: the loss selects them without a host sync
     inspect.Parameter("num_supervised_tokens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None),
+    # VisionCollator's host lengths of the sequences it collated: boundaries without a host read
+    inspect.Parameter("seqlens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=list[int] | None),
     # VisionCollator's per-sequence source ids: the loss sums per source inside `loss.counting_sources`
     inspect.Parameter("source_ids", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=torch.Tensor | None),
 )
@@ -191,6 +193,7 @@ def flatten_call(backbone, spec: FamilySpec, call: dict, extra: dict, packing: d
         image_grid_thw=vision["image_grid_thw"],
         video_grid_thw=vision["video_grid_thw"],
         extra=rope_extra,
+        seqlens=packing["seqlens"],
     )
     return flat, vision, {**call, **extra, **{k: v for k, v in rope_extra.items() if v is not None}}
 
