@@ -205,3 +205,25 @@ def test_collated_boundaries_are_checked_on_the_device():
         assert [at for _, at in counter.host_reads if at.endswith(boundary_reads)]  # the control reads
     finally:
         hf_packing.revert_rmpad("qwen2_vl")
+
+
+def test_collated_placeholders_are_checked_on_the_device():
+    """On the collator's batches the per-sequence placeholder check runs on the device (no ``tolist``); grids that
+    keep the image total but move tokens between sequences still fail. Without ``seqlens`` the host check names
+    the sequence."""
+    processor = load_processor("qwen2_vl")
+    model = build_tiny_model("qwen2_vl", processor_dir=FIXTURES / "qwen2_vl")
+    samples = processed_samples(processor)
+    batch = VisionCollator(processor, model_config=model.config)([samples[2], samples[3]])  # images 8 + 4 | 9 tokens
+    swapped = dict(batch, image_grid_thw=batch["image_grid_thw"][[2, 1, 0]])  # 9 + 4 | 8: same total of 21
+    hf_packing.apply_rmpad("qwen2_vl")
+    try:
+        with SyncCounter() as counter:
+            model(**batch)
+        assert not [at for _, at in counter.host_reads if "placeholders" in at]
+        with pytest.raises(RuntimeError, match="Image features and image tokens do not match.*sequence's image"):
+            model(**swapped)
+        with pytest.raises(ValueError, match="sequence 0 has 12 image placeholder tokens"):
+            model(**{k: v for k, v in swapped.items() if k != "seqlens"})
+    finally:
+        hf_packing.revert_rmpad("qwen2_vl")

@@ -254,7 +254,9 @@ def flatten_batch(
     indices, seqs = sequence_boundaries(input_ids, attention_mask, position_ids, cu_seqlens, seqlens)
     flat_ids = index_first_axis(input_ids.flatten(), indices).unsqueeze(0)
     if image_grid_thw is not None or video_grid_thw is not None:
-        check_placeholders(backbone.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
+        # the collator's batch (seqlens): checked on the device; any other caller's: on the host, naming the sequence
+        check = check_placeholders if seqlens is None else assert_placeholders
+        check(backbone.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
     _, mrope = _text_positions(position_ids)
     if mrope is None:
         if len(seqs.seqlens) != batch:
@@ -270,10 +272,8 @@ def flatten_batch(
     return FlatBatch(flat_ids, flat_pos, flat_types, indices, seqs, batch, length)
 
 
-def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw) -> None:
-    """Each sequence's image/video placeholder count must equal the tokens of the items (in order) that belong
-    to it; otherwise features would land in the wrong sample. Raises `ValueError` with transformers' wording
-    ("Image features and image tokens do not match") plus the sequence it concerns."""
+def _placeholder_counts(config, flat_ids: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
+    """``(2, n_seqs)`` int64 on the device: image / video placeholder tokens per sequence (no host sync)."""
     seq_id = torch.repeat_interleave(
         torch.arange(len(seqs.seqlens), device=flat_ids.device),
         torch.tensor(seqs.seqlens, device=flat_ids.device),
@@ -282,7 +282,36 @@ def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, im
     counts = torch.zeros(2, len(seqs.seqlens), dtype=torch.long, device=flat_ids.device)
     counts[0].index_add_(0, seq_id, (flat_ids == config.image_token_id).long())
     counts[1].index_add_(0, seq_id, (flat_ids == config.video_token_id).long())
+    return counts
+
+
+def assert_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw) -> None:
+    """`check_placeholders` on the device (``torch._assert_async``: no host read), for the collator's batches.
+
+    The items (in order) land in the right sequences exactly when every running total of the per-sequence
+    placeholder counts is a running total of the items' tokens (``t·h·w / merge²`` each), and the totals agree.
+    """
     merge = config.vision_config.spatial_merge_size
+    counts = _placeholder_counts(config, flat_ids, seqs)
+    for kind, row_counts, grid in zip(("image", "video"), counts, (image_grid_thw, video_grid_thw)):
+        per_item = counts.new_zeros(0) if grid is None else grid.to(counts.device).long().prod(-1) // merge**2
+        items = torch.nn.functional.pad(per_item.cumsum(0), (1, 0))
+        running = row_counts.cumsum(0)
+        # broadcast compare, not torch.isin: isin sorts with unique (a sync) once the item list is long
+        aligned = (running[:, None] == items[None, :]).any(1).all() & (running[-1] == items[-1])
+        torch._assert_async(
+            aligned,
+            f"{kind.capitalize()} features and {kind} tokens do not match (hf_packing: a sequence's {kind} "
+            f"placeholder tokens differ from {kind}_grid_thw's items assigned to it; re-run the processor)",
+        )
+
+
+def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw) -> None:
+    """Each sequence's image/video placeholder count must equal the tokens of the items (in order) that belong
+    to it; otherwise features would land in the wrong sample. Raises `ValueError` with transformers' wording
+    ("Image features and image tokens do not match") plus the sequence it concerns."""
+    merge = config.vision_config.spatial_merge_size
+    counts = _placeholder_counts(config, flat_ids, seqs)
     for kind, row_counts, grid in zip(("image", "video"), counts.tolist(), (image_grid_thw, video_grid_thw)):
         per_item = [] if grid is None else [t * h * w // merge**2 for t, h, w in grid.tolist()]
         wording = (
