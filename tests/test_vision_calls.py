@@ -121,3 +121,28 @@ def test_fsdp2_mixed_ranks_negative_control(tmp_path):
     proc = _fsdp_run(tmp_path, "qwen2_5_vl", "separate")
     assert proc.returncode != 0
     assert "collective mismatch" in proc.stderr or "doesn't match" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_vision_seqlens_match_transformers_boundaries():
+    """`vision_seqlens` (host, from the collator's grids) equals transformers' own frame and window ``cu_seqlens``
+    on odd grids (partial windows, several frames); a wrong candidate fails the device check, no match reads back."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
+
+    from hf_packing.patches._attention import _VisionBoundaries, host_vision_seqlens
+    from hf_packing.patches._vision import vision_seqlens
+    from hf_packing.testing.tiny import tiny_config
+
+    vision = tiny_config("qwen2_5_vl").vision_config
+    vision.window_size = 4 * vision.spatial_merge_size * vision.patch_size  # 4x4 merged patches per window
+    grids = [[1, 10, 18], [2, 8, 8], [1, 2, 4]]
+    frames, windows = vision_seqlens(vision, grids)
+    grid = torch.tensor(grids)
+    assert frames == get_vision_cu_seqlens(grid).diff().tolist()
+    _, cu_windows = get_vision_window_index(grid, vision.spatial_merge_size, vision.window_size, vision.patch_size)
+    assert windows == cu_windows.diff().tolist()
+    assert vision_seqlens(tiny_config("qwen3_vl").vision_config, grids) == (frames,)
+    with host_vision_seqlens((frames, windows)):
+        assert _VisionBoundaries()(cu_windows, None).seqlens == windows
+        with pytest.raises(RuntimeError, match="vision tower's cu_seqlens differ"):
+            _VisionBoundaries()(cu_windows + torch.arange(len(cu_windows), dtype=torch.int32), None)
+    assert _VisionBoundaries()(cu_windows, None).seqlens == windows  # outside: read back from the tensor

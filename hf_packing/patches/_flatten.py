@@ -41,6 +41,7 @@ class FlatBatch:
         indices (`torch.LongTensor` of shape `(T,)`): where each token sits in the caller's ``B * L`` grid.
         seqs (`PackedSequences`): the sequence boundaries inside the flat row.
         batch, length (`int`): the caller's ``(B, L)``, to re-pad outputs.
+        vision_seqlens (`tuple[list[int], ...]`): see `_vision.vision_seqlens`; empty when not known on the host.
     """
 
     input_ids: torch.Tensor
@@ -50,6 +51,8 @@ class FlatBatch:
     seqs: PackedSequences
     batch: int
     length: int
+    #: host lengths of the vision tower's boundaries (`_vision.vision_seqlens`), when the collator gave the grids
+    vision_seqlens: tuple[list[int], ...] = ()
 
     def flatten(self, padded: torch.Tensor) -> torch.Tensor:
         """``(B, L, ...)`` → ``(T, ...)`` for any per-token tensor of the caller (labels, shift_labels)."""

@@ -58,6 +58,30 @@ def _rows(tensor: torch.Tensor, sizes: list[int], keep: slice) -> torch.Tensor:
     return tensor[start : start + sum(sizes[keep])]
 
 
+def vision_seqlens(vision_config, grids: list[list[int]]) -> tuple[list[int], ...]:
+    """Host lengths of the tower's attention boundaries for items ``grids`` (``[t, h, w]`` each, images then
+    videos, as one tower call takes them): one sequence per frame (``h·w`` patches), and on Qwen2.5-VL also its
+    windows, as transformers' ``get_vision_window_index`` cuts each frame (row-major over windows of
+    ``window_size / patch_size / merge`` merged patches, empty ones dropped). One list per distinct boundary set.
+    """
+    frames = [h * w for t, h, w in grids for _ in range(t)]
+    window = getattr(vision_config, "window_size", None)
+    if not window or not frames:
+        return (frames,)
+    merge = vision_config.spatial_merge_size
+    side = window // merge // vision_config.patch_size
+    windows = []
+    for t, h, w in grids:
+        rows, cols = h // merge, w // merge
+        spans = [
+            min(side, rows - i) * min(side, cols - j) * merge**2
+            for i in range(0, rows, side)
+            for j in range(0, cols, side)
+        ]
+        windows += spans * t
+    return (frames,) if windows == frames else (frames, windows)
+
+
 def _dummy_output(backbone, **kwargs: Any) -> ModelOutput:
     """The tower's output for one 1-frame, ``merge × merge``-patch zero image (``backbone``: the ``XModel``)."""
     vcfg = backbone.config.vision_config
