@@ -46,6 +46,14 @@ def test_flat_literal():
     assert "attention_mask" not in batch
 
 
+def test_vision_grids_are_the_host_grids_images_then_videos():
+    processor = load_processor("qwen2_vl")
+    samples = processed_samples(processor)
+    batch = VisionCollator(processor)([samples[4], samples[2], samples[0]])  # a video, then 2 images, then text
+    assert batch["vision_grids"] == [[1, 4, 8], [1, 4, 4], [2, 4, 6]]
+    assert "vision_grids" not in VisionCollator(pad_token_id=0)([A, B])
+
+
 @pytest.mark.parametrize(
     "features, message",
     [
