@@ -91,14 +91,18 @@ class VisionCollator:
             key to its vision tower, which reads it as its own.
 
     Both modes add ``num_supervised_tokens`` (int), the host count of supervised targets: with it the patched loss
-    selects them without a host sync (an unpatched model ignores the key). When the samples carry ``source_id``
-    (`pack_dataset` of a ``{name: dataset}`` mix, or with ``source_column``), both modes add ``source_ids``, int64
-    ``(n_seqs,)``: each sequence's source, in ``cu_seqlens`` order, for the per-source loss (`hf_packing.source_ids`).
+    selects them without a host sync (an unpatched model ignores the key), and ``seqlens`` (list of int, one per
+    sample in row / ``cu_seqlens`` order): the patched forward takes its boundaries from it without reading the
+    mask or ``cu_seqlens`` back from the device. With images or videos both add ``vision_grids`` (list of
+    ``[t, h, w]``, images then videos): the host copy of the grids, for the vision tower's boundaries. When the
+    samples carry ``source_id`` (`pack_dataset` of a ``{name: dataset}`` mix, or with ``source_column``), both
+    modes add ``source_ids``, int64 ``(n_seqs,)``: each sequence's source, in ``cu_seqlens`` order, for the
+    per-source loss (`hf_packing.source_ids`).
 
     Returns (``__call__``), ``"rows"``: ``input_ids``/``labels``/``attention_mask``/``mm_token_type_ids`` ``(B, L)``,
     the concatenated vision tensors, optional ``position_ids (3, B, L)``, ``cu_seqlens`` int32 ``(B+1,)`` and
-    ``max_seqlen`` int, ``num_supervised_tokens`` int. ``"flat"``: ``(1, T)`` tensors, ``position_ids (4, 1, T)``,
-    ``cu_seq_lens_q/k``, ``max_length_q/k``, ``num_supervised_tokens``.
+    ``max_seqlen`` int, ``num_supervised_tokens`` int, ``seqlens`` list. ``"flat"``: ``(1, T)`` tensors,
+    ``position_ids (4, 1, T)``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``num_supervised_tokens``, ``seqlens``.
     """
 
     def __init__(
@@ -240,6 +244,7 @@ class VisionCollator:
             out["cu_seqlens"] = _cu_seqlens(lengths)
             out["max_seqlen"] = max(lengths)
         out["num_supervised_tokens"] = _num_supervised(labels)
+        out["seqlens"] = lengths
         return out
 
     def _flat(self, ids, labels, types, positions) -> dict[str, Any]:
@@ -256,6 +261,7 @@ class VisionCollator:
             "max_length_q": max(lengths),
             "max_length_k": max(lengths),
             "num_supervised_tokens": _num_supervised(labels),
+            "seqlens": lengths,
             # With a cache, transformers skips packed-sequence detection and sdpa attends across samples.
             "use_cache": False,
         }
@@ -267,6 +273,9 @@ class VisionCollator:
             parts = [torch.as_tensor(s[key]) for s in samples if s.get(key) is not None]
             if parts:
                 out[key] = torch.cat([p.reshape(-1) if key == "second_per_grid_ts" else p for p in parts])
+        grids = [out[k] for k in ("image_grid_thw", "video_grid_thw") if k in out]
+        if grids:  # the tower's order: images, then videos
+            out["vision_grids"] = torch.cat(grids).tolist()
         return out
 
 

@@ -23,6 +23,7 @@ def test_rows_right_padding_literal():
     assert batch["cu_seqlens"].tolist() == [0, 3, 8, 9] and batch["cu_seqlens"].dtype == torch.int32
     assert batch["max_seqlen"] == 5 and type(batch["max_seqlen"]) is int
     assert batch["num_supervised_tokens"] == 5 and type(batch["num_supervised_tokens"]) is int
+    assert batch["seqlens"] == [3, 5, 1]
 
 
 def test_rows_left_padding_and_multiple_of_literal():
@@ -30,7 +31,7 @@ def test_rows_left_padding_and_multiple_of_literal():
     assert batch["input_ids"].tolist() == [[0, 1, 2, 3], [0, 0, 0, 9]]
     assert batch["attention_mask"].tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
     assert batch["labels"].tolist() == [[-100, -100, 2, 3], [-100] * 4]
-    assert "cu_seqlens" not in batch and batch["num_supervised_tokens"] == 2
+    assert "cu_seqlens" not in batch and batch["num_supervised_tokens"] == 2 and batch["seqlens"] == [3, 1]
 
 
 def test_flat_literal():
@@ -41,8 +42,16 @@ def test_flat_literal():
     assert batch["position_ids"][0, 0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0]
     assert torch.equal(batch["position_ids"][1:], batch["position_ids"][:1].expand(3, -1, -1))
     assert batch["cu_seq_lens_q"].tolist() == [0, 3, 8, 9] and batch["max_length_q"] == 5
-    assert batch["num_supervised_tokens"] == 5
+    assert batch["num_supervised_tokens"] == 5 and batch["seqlens"] == [3, 5, 1]
     assert "attention_mask" not in batch
+
+
+def test_vision_grids_are_the_host_grids_images_then_videos():
+    processor = load_processor("qwen2_vl")
+    samples = processed_samples(processor)
+    batch = VisionCollator(processor)([samples[4], samples[2], samples[0]])  # a video, then 2 images, then text
+    assert batch["vision_grids"] == [[1, 4, 8], [1, 4, 4], [2, 4, 6]]
+    assert "vision_grids" not in VisionCollator(pad_token_id=0)([A, B])
 
 
 @pytest.mark.parametrize(

@@ -6,23 +6,22 @@ issues none; transformers' remaining ones (vision tower, placeholder checks) are
 none of them grows with the number of layers or sequences.
 
 ``Tensor.tolist()`` host reads are counted apart (`SyncCounter.host_reads`; on a GPU each is a device-to-host copy
-that waits too). hf_packing still makes a fixed number per step on collator packs, none per layer or per sequence
-(held here): 6 on Qwen2-VL / Qwen3-VL(-MoE), 7 on Qwen2.5-VL (`bench_syncs.py`, one batch of 5 rows)::
+that waits too) and gated at 0 from hf_packing as well. The collator passes the host values the patch used to read
+back (`bench_syncs.py`, one pack of 5 samples: 6 reads on Qwen2-VL / Qwen3-VL(-MoE), 7 on Qwen2.5-VL, now 0)::
 
-    varlen.validate_attention_mask     1  row lengths of the mask (rows mode: its boundaries)
-    _flatten.sequence_boundaries       1  seqlens of cu_seqlens, when a row holds several samples (not in the gate)
-    _flatten.check_placeholders        3  placeholder counts per sequence, image and video grids (wrong pack: error)
-    _vision.tower_calls (encode)       1  patches per item, to split the one tower call back into images / videos
-    _attention._VisionBoundaries       1 per distinct vision cu_seqlens (Qwen2.5-VL: 2, full and windowed)
+    read, before                                  now, on VisionCollator batches
+    varlen.validate_attention_mask     1          ``seqlens`` (host lengths); mask / cu_seqlens asserted on the device
+    _flatten.sequence_boundaries       1*         ``seqlens`` (* cu_seqlens, when a row held several samples)
+    _flatten.check_placeholders        3          `assert_placeholders`: the same rule, ``torch._assert_async``
+    _vision.tower_calls (encode)       1          split by ``pixel_values``' rows, a shape (every caller)
+    _attention._VisionBoundaries       1 (2.5: 2) ``vision_grids`` (host grids) → frame / window lengths, asserted
 
-All of them are on the collator path. The collator knows each of these values on the host (row lengths, seqlens,
-placeholder counts, grids; vision cu_seqlens from the grids and the tower's window rule); passing them with the
-batch, as it already passes ``max_seqlen`` and ``num_supervised_tokens``, would remove them (not done yet). The
-package's other host reads are outside this step: evaluation totals (`evaluation.py`), the telemetry callback's
-log vector and FLOPs (`telemetry.py`, `flops.py`, once per logging step), the vision split under sequence
-parallelism only (`sequence_parallel.py`), position-id rows' restarts (`_flatten.py`, not a collator batch), and
-``seqlens`` of `PackedSequences` made without them (`varlen.py`, `linear_attention.py`: never on `flatten_batch`'s
-output, which always carries them).
+Other callers' batches (padded rows or position-id rows without ``seqlens`` / ``vision_grids``) keep the host
+checks, once per step, never per layer: they name the offending row or sequence. The package's other host reads
+are outside this step: evaluation totals (`evaluation.py`), the telemetry callback's log vector and FLOPs
+(`telemetry.py`, `flops.py`, once per logging step), the vision split under sequence parallelism only
+(`sequence_parallel.py`), and ``seqlens`` of `PackedSequences` made without them (`varlen.py`,
+`linear_attention.py`: never on `flatten_batch`'s output, which always carries them).
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ def gate(model_type: str) -> list[str]:
     processor = load_processor(model_type)
     samples = processed_samples(processor)
     packs = {2: [samples[1], samples[4]], 8: [samples[1], samples[4]] + [samples[0]] * 6}  # same vision, more text
-    totals, reads, failures = {}, {}, []
+    totals, failures = {}, []
     for layers in (2, 4):
         model = build_tiny_model(model_type, processor_dir=FIXTURES / model_type, **_layers(model_type, layers))
         collate = VisionCollator(processor, model_config=model.config)  # as recipes/train.py builds it
@@ -70,20 +69,20 @@ def gate(model_type: str) -> list[str]:
             finally:
                 hf_packing.revert_rmpad(model_type)
             totals[layers, n_seqs] = patched.total
-            reads[layers, n_seqs] = sum(n for (_, at), n in patched.host_reads.items() if at.startswith("hf_packing/"))
+            reads = sum(n for (_, at), n in patched.host_reads.items() if at.startswith("hf_packing/"))
             base = "-" if unpatched is None else unpatched.total
             print(f"\n{model_type} layers={layers} seqs={n_seqs}: unpatched {base}, patched {patched.total}")
             print(patched.report())
             if patched.by("hf_packing/"):
                 failures.append(f"{patched.by('hf_packing/')} syncs from hf_packing at layers={layers} seqs={n_seqs}")
+            if reads:
+                failures.append(f"{reads} tolist host reads from hf_packing at layers={layers} seqs={n_seqs}")
             if unpatched is not None and patched.total > unpatched.total:
                 failures.append(f"patched {patched.total} > unpatched {unpatched.total} (layers={layers})")
     if totals[2, 2] != totals[4, 2]:
         failures.append(f"syncs grow with layers: {totals[2, 2]} at 2, {totals[4, 2]} at 4")
     if totals[2, 2] != totals[2, 8]:
         failures.append(f"syncs grow with sequences: {totals[2, 2]} at 2, {totals[2, 8]} at 8")
-    if not reads[2, 2] == reads[4, 2] == reads[2, 8]:
-        failures.append(f"hf_packing's tolist reads grow: {reads}")
     return failures
 
 
@@ -111,6 +110,17 @@ def test_a_per_layer_item_in_attention_fails_the_gate(monkeypatch):
     failures = gate("qwen2_5_vl")
     print(failures)
     assert any("grow with layers" in f for f in failures)
+
+
+def test_a_host_read_on_the_collator_path_fails_the_gate(monkeypatch):
+    """Negative control: the host placeholder check back on the collator's batches (3 ``tolist`` per step, none
+    of them a syncing op) must fail the gate."""
+    from hf_packing.patches import _flatten
+
+    monkeypatch.setattr(_flatten, "assert_placeholders", _flatten.check_placeholders)
+    failures = gate("qwen2_5_vl")
+    print(failures)
+    assert any("3 tolist host reads from hf_packing" in f for f in failures)
 
 
 def test_counter_sees_each_kind_of_sync():
@@ -178,3 +188,52 @@ def test_per_source_logging_adds_no_host_sync(monkeypatch):
         assert control.total == off.total + 1
     finally:
         hf_packing.revert_rmpad("qwen2_5_vl")
+
+
+def test_collated_boundaries_are_checked_on_the_device():
+    """The collator's ``seqlens`` replace the mask's host read; a batch whose mask or boundaries disagree with them
+    still fails (``torch._assert_async``), and without them the patch reads and checks the mask itself."""
+    processor = load_processor("qwen2_vl")
+    model = build_tiny_model("qwen2_vl", processor_dir=FIXTURES / "qwen2_vl")
+    samples = processed_samples(processor)
+    batch = VisionCollator(processor, model_config=model.config, return_cu_seqlens=True)([samples[0], samples[1]])
+    hf_packing.apply_rmpad("qwen2_vl")
+    try:
+        with SyncCounter() as counter:
+            model(**batch)
+        boundary_reads = ("validate_attention_mask", "sequence_boundaries")
+        assert not [at for _, at in counter.host_reads if at.endswith(boundary_reads)]
+        short = dict(batch, attention_mask=batch["attention_mask"].clone())
+        short["attention_mask"][0, batch["seqlens"][0] - 1] = 0
+        with pytest.raises(RuntimeError, match="attention_mask does not match VisionCollator's seqlens"):
+            model(**short)
+        shifted = dict(batch, cu_seqlens=batch["cu_seqlens"] + torch.tensor([0, 1, 0], dtype=torch.int32))
+        with pytest.raises(RuntimeError, match="cu_seqlens does not match VisionCollator's seqlens"):
+            model(**shifted)
+        with SyncCounter() as counter:
+            model(**{k: v for k, v in batch.items() if k != "seqlens"})
+        assert [at for _, at in counter.host_reads if at.endswith(boundary_reads)]  # the control reads
+    finally:
+        hf_packing.revert_rmpad("qwen2_vl")
+
+
+def test_collated_placeholders_are_checked_on_the_device():
+    """On the collator's batches the per-sequence placeholder check runs on the device (no ``tolist``); grids that
+    keep the image total but move tokens between sequences still fail. Without ``seqlens`` the host check names
+    the sequence."""
+    processor = load_processor("qwen2_vl")
+    model = build_tiny_model("qwen2_vl", processor_dir=FIXTURES / "qwen2_vl")
+    samples = processed_samples(processor)
+    batch = VisionCollator(processor, model_config=model.config)([samples[2], samples[3]])  # images 8 + 4 | 9 tokens
+    swapped = dict(batch, image_grid_thw=batch["image_grid_thw"][[2, 1, 0]])  # 9 + 4 | 8: same total of 21
+    hf_packing.apply_rmpad("qwen2_vl")
+    try:
+        with SyncCounter() as counter:
+            model(**batch)
+        assert not [at for _, at in counter.host_reads if "placeholders" in at]
+        with pytest.raises(RuntimeError, match="Image features and image tokens do not match.*sequence's image"):
+            model(**swapped)
+        with pytest.raises(ValueError, match="sequence 0 has 12 image placeholder tokens"):
+            model(**{k: v for k, v in swapped.items() if k != "seqlens"})
+    finally:
+        hf_packing.revert_rmpad("qwen2_vl")

@@ -49,6 +49,37 @@ def test_images_and_video_in_one_tower_call_equal_two(model_type):
     assert vision_grads  # the features of both kinds reach the loss through the single call
 
 
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_one_call_splits_back_into_the_two_calls_outputs(model_type):
+    """Inside `tower_calls` the image and video features (pooled, pre-merge ``last_hidden_state``, DeepStack) equal
+    two separate tower calls, split by pixel rows without reading the grids back (no ``tolist``)."""
+    from hf_packing.patches._vision import tower_calls
+    from hf_packing.testing.syncs import SyncCounter
+
+    processor = load_processor(model_type)
+    rows = conversations()
+    batch = processed_batch(processor, [rows[2], rows[4]])
+    backbone = build_tiny_model(model_type, processor_dir=FIXTURES / model_type).model
+    vision = {k: batch[k] for k in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")}
+    with torch.no_grad():
+        apart = (
+            backbone.get_image_features(vision["pixel_values"], vision["image_grid_thw"], return_dict=True),
+            backbone.get_video_features(vision["pixel_values_videos"], vision["video_grid_thw"], return_dict=True),
+        )
+        with tower_calls(backbone, **vision, dummy=False), SyncCounter() as counter:
+            joint = (
+                backbone.get_image_features(vision["pixel_values"], vision["image_grid_thw"], return_dict=True),
+                backbone.get_video_features(vision["pixel_values_videos"], vision["video_grid_thw"], return_dict=True),
+            )
+    assert not [at for _, at in counter.host_reads if at.startswith("hf_packing/")]
+    for one, two in zip(apart, joint):
+        assert sorted(one.keys()) == sorted(two.keys())
+        torch.testing.assert_close(one.last_hidden_state, two.last_hidden_state)
+        torch.testing.assert_close(torch.cat(one.pooler_output), torch.cat(two.pooler_output))
+        for a, b in zip(one.get("deepstack_features") or (), two.get("deepstack_features") or ()):
+            torch.testing.assert_close(torch.cat(list(a)), torch.cat(list(b)))
+
+
 @pytest.mark.parametrize("has_pixels", [False, True])
 def test_dummy_call_only_without_pixels(has_pixels):
     """``dummy_vision`` runs the tower once on a text-only batch, and never adds a call to a batch with pixels."""
@@ -90,3 +121,28 @@ def test_fsdp2_mixed_ranks_negative_control(tmp_path):
     proc = _fsdp_run(tmp_path, "qwen2_5_vl", "separate")
     assert proc.returncode != 0
     assert "collective mismatch" in proc.stderr or "doesn't match" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_vision_seqlens_match_transformers_boundaries():
+    """`vision_seqlens` (host, from the collator's grids) equals transformers' own frame and window ``cu_seqlens``
+    on odd grids (partial windows, several frames); a wrong candidate fails the device check, no match reads back."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
+
+    from hf_packing.patches._attention import _VisionBoundaries, host_vision_seqlens
+    from hf_packing.patches._vision import vision_seqlens
+    from hf_packing.testing.tiny import tiny_config
+
+    vision = tiny_config("qwen2_5_vl").vision_config
+    vision.window_size = 4 * vision.spatial_merge_size * vision.patch_size  # 4x4 merged patches per window
+    grids = [[1, 10, 18], [2, 8, 8], [1, 2, 4]]
+    frames, windows = vision_seqlens(vision, grids)
+    grid = torch.tensor(grids)
+    assert frames == get_vision_cu_seqlens(grid).diff().tolist()
+    _, cu_windows = get_vision_window_index(grid, vision.spatial_merge_size, vision.window_size, vision.patch_size)
+    assert windows == cu_windows.diff().tolist()
+    assert vision_seqlens(tiny_config("qwen3_vl").vision_config, grids) == (frames,)
+    with host_vision_seqlens((frames, windows)):
+        assert _VisionBoundaries()(cu_windows, None).seqlens == windows
+        with pytest.raises(RuntimeError, match="vision tower's cu_seqlens differ"):
+            _VisionBoundaries()(cu_windows + torch.arange(len(cu_windows), dtype=torch.int32), None)
+    assert _VisionBoundaries()(cu_windows, None).seqlens == windows  # outside: read back from the tensor

@@ -13,8 +13,10 @@ depends on a config switch that gradient checkpointing's recomputation could mis
 
 from __future__ import annotations
 
+import contextvars
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -32,11 +34,38 @@ def _to_flat(t: torch.Tensor) -> torch.Tensor:
     return t.squeeze(0).transpose(0, 1)
 
 
+#: the host lengths the vision tower's ``cu_seqlens`` will hold in this forward (`host_vision_seqlens`)
+_VISION_SEQLENS: contextvars.ContextVar[tuple[list[int], ...]] = contextvars.ContextVar("hf_packing_vision", default=())
+
+
+@contextmanager
+def host_vision_seqlens(candidates: tuple[list[int], ...]) -> Iterator[None]:
+    """Inside the block, a vision ``cu_seqlens`` of ``len(c) + 1`` entries takes its host lengths from candidate
+    ``c`` (checked on the device) instead of being read back. ``candidates``: one list per distinct boundary
+    set, of distinct lengths (Qwen2.5-VL: frames, and windows when some frame has several)."""
+    token = _VISION_SEQLENS.set(candidates)
+    try:
+        yield
+    finally:
+        _VISION_SEQLENS.reset(token)
+
+
+def _known_seqlens(cu_seqlens: torch.Tensor) -> list[int] | None:
+    """The host lengths of ``cu_seqlens`` from `host_vision_seqlens`, asserted equal on the device; else None."""
+    seqlens = next((c for c in _VISION_SEQLENS.get() if len(c) + 1 == cu_seqlens.shape[0]), None)
+    if seqlens is not None:
+        expected = PackedSequences.from_seqlens(seqlens, device=cu_seqlens.device).cu_seqlens
+        same = (cu_seqlens.to(torch.int32) == expected).all()
+        torch._assert_async(same, "the vision tower's cu_seqlens differ from the ones the batch's grids give")
+    return seqlens
+
+
 class _VisionBoundaries:
-    """Host-side `PackedSequences` of the vision tower's ``cu_seqlens``, read once per tensor.
+    """Host-side `PackedSequences` of the vision tower's ``cu_seqlens``, once per tensor.
 
     Every block of a vision tower passes the same ``cu_seqlens`` tensor (Qwen2.5-VL alternates two); keyed
-    weakly by that tensor, the host copy is made once per forward instead of once per block.
+    weakly by that tensor, the host copy is made once per forward instead of once per block. Under
+    `host_vision_seqlens` (the collator's grids) it is taken from there, with no host read.
     """
 
     def __init__(self) -> None:
@@ -47,7 +76,9 @@ class _VisionBoundaries:
         ref, seqs = self._seen.get(id(cu_seqlens), (None, None))
         if ref is None or ref() is not cu_seqlens:
             self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
-            seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            seqlens = _known_seqlens(cu_seqlens)
+            if seqlens is None:
+                seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
             seqs = PackedSequences(cu_seqlens.to(torch.int32), max(seqlens, default=0), seqlens)
             self._seen[id(cu_seqlens)] = (weakref.ref(cu_seqlens), seqs)
         return seqs if max_seqlen is None else PackedSequences(seqs.cu_seqlens, int(max_seqlen), seqs.seqlens)

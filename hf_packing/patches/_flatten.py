@@ -9,10 +9,11 @@ Every input format transformers accepts is taken, and two sequences are never me
               │                                     │
               └──────────────► flat ids a a a b b b b b (c)   cu_seqlens [0, 3, 8, (9)]
 
-Boundaries come from, in order: explicit ``cu_seqlens`` / ``cu_seq_lens_q`` (our collator, transformers'
-flash kwargs); the text-position row when position ids restart inside a row that has no padding (a
-restart is a step other than +1, transformers' ``find_packed_sequence_indices`` rule); else one sequence
-per row of the attention mask. A row that has an attention mask *and* restarting position ids, or
+Boundaries come from, in order: `VisionCollator`'s host ``seqlens`` (it built the mask and boundaries from
+them; checked here on the device, with no host read); explicit ``cu_seqlens`` / ``cu_seq_lens_q`` (our
+collator, transformers' flash kwargs); the text-position row when position ids restart inside a row that
+has no padding (a restart is a step other than +1, transformers' ``find_packed_sequence_indices`` rule);
+else one sequence per row of the attention mask. A row that has an attention mask *and* restarting position ids, or
 restarting 3-row M-RoPE positions without a text row, is ambiguous and raises.
 """
 
@@ -40,6 +41,7 @@ class FlatBatch:
         indices (`torch.LongTensor` of shape `(T,)`): where each token sits in the caller's ``B * L`` grid.
         seqs (`PackedSequences`): the sequence boundaries inside the flat row.
         batch, length (`int`): the caller's ``(B, L)``, to re-pad outputs.
+        vision_seqlens (`tuple[list[int], ...]`): see `_vision.vision_seqlens`; empty when not known on the host.
     """
 
     input_ids: torch.Tensor
@@ -49,6 +51,8 @@ class FlatBatch:
     seqs: PackedSequences
     batch: int
     length: int
+    #: host lengths of the vision tower's boundaries (`_vision.vision_seqlens`), when the collator gave the grids
+    vision_seqlens: tuple[list[int], ...] = ()
 
     def flatten(self, padded: torch.Tensor) -> torch.Tensor:
         """``(B, L, ...)`` → ``(T, ...)`` for any per-token tensor of the caller (labels, shift_labels)."""
@@ -88,6 +92,7 @@ def sequence_boundaries(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
+    seqlens: list[int] | None = None,
 ) -> tuple[torch.Tensor, PackedSequences]:
     """The flat indices of real tokens and the sequences they form (see the module docstring).
 
@@ -96,13 +101,16 @@ def sequence_boundaries(
         attention_mask (`torch.Tensor` of shape `(B, L)`, *optional*): 0/1 padding mask.
         position_ids (`torch.LongTensor` of shape `(B, L)`, `(3, B, L)` or `(4, B, L)`, *optional*).
         cu_seqlens (`torch.IntTensor` of shape `(n + 1,)`, *optional*): explicit boundaries over the real tokens.
+        seqlens (`list[int]`, *optional*): `VisionCollator`'s host lengths of the sequences (see `collated_boundaries`).
 
     Returns:
-        indices (`torch.LongTensor` of shape `(T,)`) and `PackedSequences` (one host sync).
+        indices (`torch.LongTensor` of shape `(T,)`) and `PackedSequences` (one host read; none with ``seqlens``).
 
     Raises:
         ValueError: for a malformed mask, boundaries that do not cover the real tokens, or ambiguous input.
     """
+    if seqlens is not None:
+        return collated_boundaries(input_ids, attention_mask, cu_seqlens, seqlens)
     if attention_mask is None:
         lengths = [input_ids.shape[1]] * input_ids.shape[0]
         indices = torch.arange(input_ids.numel(), device=input_ids.device)
@@ -113,11 +121,7 @@ def sequence_boundaries(
     if cu_seqlens is not None:
         seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         if sum(seqlens) != indices.numel():
-            raise ValueError(
-                f"cu_seqlens covers {sum(seqlens)} tokens but the batch has {indices.numel()} real tokens. Under "
-                "the HF Trainer this means accelerate sliced the batch (dispatch_batches): call "
-                "hf_packing.prepare_trainer(trainer), or set accelerator_config={'dispatch_batches': False}"
-            )
+            raise _dispatch_error(sum(seqlens), indices.numel())
         cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32).contiguous()
         return indices, PackedSequences(cu_seqlens=cu, max_seqlen=max(seqlens, default=0), seqlens=seqlens)
     text, mrope = _text_positions(position_ids)
@@ -150,6 +154,50 @@ def sequence_boundaries(
         edges = [0, *cuts.get(row, []), length]
         seqlens += [b - a for a, b in zip(edges[:-1], edges[1:])]
     return indices, PackedSequences.from_seqlens(seqlens, device=input_ids.device)
+
+
+def _dispatch_error(covered: int, real: int) -> ValueError:
+    return ValueError(
+        f"cu_seqlens covers {covered} tokens but the batch has {real} real tokens. Under "
+        "the HF Trainer this means accelerate sliced the batch (dispatch_batches): call "
+        "hf_packing.prepare_trainer(trainer), or set accelerator_config={'dispatch_batches': False}"
+    )
+
+
+def collated_boundaries(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None, seqlens: list[int]
+) -> tuple[torch.Tensor, PackedSequences]:
+    """`sequence_boundaries` of a `VisionCollator` batch, from its host ``seqlens``: no host read.
+
+    The collator built the mask (one sample per row, ``mode="rows"``) or ``cu_seq_lens_q`` (one flat row,
+    ``mode="flat"``) from these lengths, so the host checks of `validate_attention_mask` are not repeated; the
+    device checks that the tensors still agree with them (``torch._assert_async``: raises without waiting).
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(B, L)`), attention_mask (`(B, L)`, *optional*), cu_seqlens
+            (`(n + 1,)`, *optional*), seqlens (`list[int]`, ``n`` host lengths: one per row with a mask).
+    """
+    device = input_ids.device
+    seqs = PackedSequences.from_seqlens(seqlens, device=device)
+    if attention_mask is None:
+        if sum(seqlens) != input_ids.numel():
+            raise _dispatch_error(sum(seqlens), input_ids.numel())
+        indices = torch.arange(input_ids.numel(), device=device)
+    else:
+        if len(seqlens) != input_ids.shape[0]:
+            raise ValueError(
+                f"seqlens lists {len(seqlens)} sequences for {input_ids.shape[0]} rows; VisionCollator(mode='rows') "
+                "gives one per row (under the HF Trainer: call hf_packing.prepare_trainer(trainer))"
+            )
+        lengths = attention_mask.to(device).sum(-1)
+        torch._assert_async(
+            (lengths == seqs.cu_seqlens.diff()).all(), "attention_mask does not match VisionCollator's seqlens"
+        )
+        indices = torch.nonzero_static(attention_mask.flatten(), size=sum(seqlens)).flatten().to(device)
+    if cu_seqlens is not None:
+        same = (cu_seqlens.to(device=device, dtype=torch.int32) == seqs.cu_seqlens).all()
+        torch._assert_async(same, "cu_seqlens does not match VisionCollator's seqlens")
+    return indices, seqs
 
 
 def rope_positions(
@@ -199,16 +247,19 @@ def flatten_batch(
     image_grid_thw,
     video_grid_thw,
     extra: dict[str, Any],
+    seqlens: list[int] | None = None,
 ) -> FlatBatch:
     """Remove the padding once: the caller's ``(B, L)`` batch as a `FlatBatch` (checks placeholders per sequence).
 
     ``backbone`` is the family's ``XModel`` (``model.model``): its config and ``get_rope_index``.
     """
     batch, length = input_ids.shape
-    indices, seqs = sequence_boundaries(input_ids, attention_mask, position_ids, cu_seqlens)
+    indices, seqs = sequence_boundaries(input_ids, attention_mask, position_ids, cu_seqlens, seqlens)
     flat_ids = index_first_axis(input_ids.flatten(), indices).unsqueeze(0)
     if image_grid_thw is not None or video_grid_thw is not None:
-        check_placeholders(backbone.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
+        # the collator's batch (seqlens): checked on the device; any other caller's: on the host, naming the sequence
+        check = check_placeholders if seqlens is None else assert_placeholders
+        check(backbone.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
     _, mrope = _text_positions(position_ids)
     if mrope is None:
         if len(seqs.seqlens) != batch:
@@ -224,10 +275,8 @@ def flatten_batch(
     return FlatBatch(flat_ids, flat_pos, flat_types, indices, seqs, batch, length)
 
 
-def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw) -> None:
-    """Each sequence's image/video placeholder count must equal the tokens of the items (in order) that belong
-    to it; otherwise features would land in the wrong sample. Raises `ValueError` with transformers' wording
-    ("Image features and image tokens do not match") plus the sequence it concerns."""
+def _placeholder_counts(config, flat_ids: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
+    """``(2, n_seqs)`` int64 on the device: image / video placeholder tokens per sequence (no host sync)."""
     seq_id = torch.repeat_interleave(
         torch.arange(len(seqs.seqlens), device=flat_ids.device),
         torch.tensor(seqs.seqlens, device=flat_ids.device),
@@ -236,7 +285,36 @@ def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, im
     counts = torch.zeros(2, len(seqs.seqlens), dtype=torch.long, device=flat_ids.device)
     counts[0].index_add_(0, seq_id, (flat_ids == config.image_token_id).long())
     counts[1].index_add_(0, seq_id, (flat_ids == config.video_token_id).long())
+    return counts
+
+
+def assert_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw) -> None:
+    """`check_placeholders` on the device (``torch._assert_async``: no host read), for the collator's batches.
+
+    The items (in order) land in the right sequences exactly when every running total of the per-sequence
+    placeholder counts is a running total of the items' tokens (``t·h·w / merge²`` each), and the totals agree.
+    """
     merge = config.vision_config.spatial_merge_size
+    counts = _placeholder_counts(config, flat_ids, seqs)
+    for kind, row_counts, grid in zip(("image", "video"), counts, (image_grid_thw, video_grid_thw)):
+        per_item = counts.new_zeros(0) if grid is None else grid.to(counts.device).long().prod(-1) // merge**2
+        items = torch.nn.functional.pad(per_item.cumsum(0), (1, 0))
+        running = row_counts.cumsum(0)
+        # broadcast compare, not torch.isin: isin sorts with unique (a sync) once the item list is long
+        aligned = (running[:, None] == items[None, :]).any(1).all() & (running[-1] == items[-1])
+        torch._assert_async(
+            aligned,
+            f"{kind.capitalize()} features and {kind} tokens do not match (hf_packing: a sequence's {kind} "
+            f"placeholder tokens differ from {kind}_grid_thw's items assigned to it; re-run the processor)",
+        )
+
+
+def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw) -> None:
+    """Each sequence's image/video placeholder count must equal the tokens of the items (in order) that belong
+    to it; otherwise features would land in the wrong sample. Raises `ValueError` with transformers' wording
+    ("Image features and image tokens do not match") plus the sequence it concerns."""
+    merge = config.vision_config.spatial_merge_size
+    counts = _placeholder_counts(config, flat_ids, seqs)
     for kind, row_counts, grid in zip(("image", "video"), counts.tolist(), (image_grid_thw, video_grid_thw)):
         per_item = [] if grid is None else [t * h * w // merge**2 for t, h, w in grid.tolist()]
         wording = (

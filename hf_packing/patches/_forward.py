@@ -30,10 +30,10 @@ from .. import sequence_parallel_shard as shard_
 from ..loss import CrossEntropySum, cross_entropy_sum, linear_cross_entropy_sum, reduce_loss, shift_labels_per_sequence
 from ..sequence_parallel_comm import SPGroup, gather_sequence
 from ..sequence_parallel_state import SequenceParallelState
-from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS
+from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS, host_vision_seqlens
 from ._flatten import FlatBatch, flatten_batch
 from ._spec import FamilySpec
-from ._vision import tower_calls
+from ._vision import tower_calls, vision_seqlens
 
 #: transformers' flash-style boundary kwargs (DataCollatorWithFlattening, VisionCollator mode='flat').
 HF_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -44,6 +44,10 @@ PACKING_PARAMETERS = (
     inspect.Parameter("skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=bool | None),
     # VisionCollator's host count of supervised targets: the loss selects them without a host sync
     inspect.Parameter("num_supervised_tokens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None),
+    # VisionCollator's host lengths of the sequences it collated: boundaries without a host read
+    inspect.Parameter("seqlens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=list[int] | None),
+    # VisionCollator's host copy of the vision grids (images then videos): the tower's boundaries without a read
+    inspect.Parameter("vision_grids", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=list | None),
     # VisionCollator's per-sequence source ids: the loss sums per source inside `loss.counting_sources`
     inspect.Parameter("source_ids", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=torch.Tensor | None),
 )
@@ -191,7 +195,10 @@ def flatten_call(backbone, spec: FamilySpec, call: dict, extra: dict, packing: d
         image_grid_thw=vision["image_grid_thw"],
         video_grid_thw=vision["video_grid_thw"],
         extra=rope_extra,
+        seqlens=packing["seqlens"],
     )
+    if packing["vision_grids"]:
+        flat.vision_seqlens = vision_seqlens(backbone.config.vision_config, packing["vision_grids"])
     return flat, vision, {**call, **extra, **{k: v for k, v in rope_extra.items() if v is not None}}
 
 
@@ -222,7 +229,9 @@ def run_backbone(
         shard = shard_.text_model_pre_hook(sp, flat.seqs, PACKED_KWARG)
         hook = backbone.language_model.register_forward_pre_hook(shard, with_kwargs=True)
     try:
-        with tower_calls(backbone, **vision, dummy=dummy_vision, model_kwargs=model_kwargs, sp=sp) as dummy:
+        # under SP the tower encodes this rank's share only: its boundaries are not the whole pack's
+        known = host_vision_seqlens(flat.vision_seqlens if sp is None else ())
+        with known, tower_calls(backbone, **vision, dummy=dummy_vision, model_kwargs=model_kwargs, sp=sp) as dummy:
             outputs = forward(
                 input_ids=flat.input_ids,
                 attention_mask=None,

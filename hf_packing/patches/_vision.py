@@ -33,8 +33,9 @@ from ..sequence_parallel_shard import encode_vision_split
 _MODALITY_PREFIXES = ("image_", "video_")
 
 
-def _items(output: ModelOutput, keep: slice, patches: list[int]) -> ModelOutput:
-    """The part of a tower output that belongs to items ``keep`` (``pooler_output`` is a tuple per item)."""
+def _items(output: ModelOutput, keep: slice, rows: slice) -> ModelOutput:
+    """The part of a tower output that belongs to items ``keep`` (``pooler_output`` is a tuple per item), whose
+    pre-merge patches are ``last_hidden_state[rows]``."""
     fields = dict(output.items())
     fields["pooler_output"] = tuple(output.pooler_output[keep])
     merged = [len(item) for item in output.pooler_output]
@@ -44,7 +45,7 @@ def _items(output: ModelOutput, keep: slice, patches: list[int]) -> ModelOutput:
             for layer in output.deepstack_features
         ]
     if output.get("last_hidden_state") is not None:  # pre-merge patch features, in item order: (Σ t·h·w, D)
-        fields["last_hidden_state"] = _rows(output.last_hidden_state, patches, keep)
+        fields["last_hidden_state"] = output.last_hidden_state[rows]
     part = type(output)()
     for key, value in fields.items():  # item by item: some towers add keys that are not fields (5.17's router_logits)
         part[key] = value
@@ -55,6 +56,30 @@ def _rows(tensor: torch.Tensor, sizes: list[int], keep: slice) -> torch.Tensor:
     """Rows of the items ``keep`` from a tensor that stacks items of ``sizes`` rows."""
     start = sum(sizes[: keep.start or 0])
     return tensor[start : start + sum(sizes[keep])]
+
+
+def vision_seqlens(vision_config, grids: list[list[int]]) -> tuple[list[int], ...]:
+    """Host lengths of the tower's attention boundaries for items ``grids`` (``[t, h, w]`` each, images then
+    videos, as one tower call takes them): one sequence per frame (``h·w`` patches), and on Qwen2.5-VL also its
+    windows, as transformers' ``get_vision_window_index`` cuts each frame (row-major over windows of
+    ``window_size / patch_size / merge`` merged patches, empty ones dropped). One list per distinct boundary set.
+    """
+    frames = [h * w for t, h, w in grids for _ in range(t)]
+    window = getattr(vision_config, "window_size", None)
+    if not window or not frames:
+        return (frames,)
+    merge = vision_config.spatial_merge_size
+    side = window // merge // vision_config.patch_size
+    windows = []
+    for t, h, w in grids:
+        rows, cols = h // merge, w // merge
+        spans = [
+            min(side, rows - i) * min(side, cols - j) * merge**2
+            for i in range(0, rows, side)
+            for j in range(0, cols, side)
+        ]
+        windows += spans * t
+    return (frames,) if windows == frames else (frames, windows)
 
 
 def _dummy_output(backbone, **kwargs: Any) -> ModelOutput:
@@ -155,9 +180,10 @@ def tower_calls(
             )
             if term is not None:
                 dummy_terms.append(term)
-        patches, n_images = grids.prod(-1).tolist(), 0 if pixel_values is None else len(image_grid_thw)
-        encoded["image"] = _items(out, slice(0, n_images), patches)
-        encoded["video"] = _items(out, slice(n_images, None), patches)
+        # the images' patches are pixel_values' rows: a shape, so the split needs no host read of the grids
+        n_images, n_patches = (0, 0) if pixel_values is None else (len(image_grid_thw), pixel_values.shape[0])
+        encoded["image"] = _items(out, slice(0, n_images), slice(0, n_patches))
+        encoded["video"] = _items(out, slice(n_images, None), slice(n_patches, None))
 
     def features(kind: str):
         def get_features(pixels: torch.Tensor, grid_thw: torch.Tensor | None = None, **kwargs: Any) -> ModelOutput:
