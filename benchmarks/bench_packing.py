@@ -429,7 +429,8 @@ def buffer_sweep(
 
     Returns the table and, per (mix, max_length), the smallest swept buffer reaching `TARGET_FILL` (None: none does).
     """
-    from hf_packing.planner import pack_stats, plan_packs
+    from hf_packing.pack_stats import pack_stats
+    from hf_packing.planner import plan_packs
 
     rows, smallest = [], {}
     for mix_name, mix in mixes.items():
