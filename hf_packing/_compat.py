@@ -108,6 +108,21 @@ def fla_linear_ops() -> SimpleNamespace | None:
 
 
 @cache
+def torch_scan():
+    """``torch._higher_order_ops.scan.scan`` (a loop that torch.compile traces once, whatever its length, with
+    autograd), or ``None`` on a torch without it (scan's autograd landed in 2.7)."""
+    import torch
+
+    if _version_tuple(torch.__version__)[:2] < (2, 7):
+        return None
+    try:
+        from torch._higher_order_ops.scan import scan
+    except Exception:
+        return None
+    return scan
+
+
+@cache
 def torchcodec_decoder():
     """torchcodec's ``VideoDecoder`` when torchcodec imports *and* loads its FFmpeg libraries, else ``None``.
 

@@ -15,7 +15,10 @@ against 4e-8 with the boundaries. Two backends, one signature per op:
 - ``fla``: flash-linear-attention's Triton kernels with ``cu_seqlens`` (CUDA): ``chunk_gated_delta_rule`` on
   ``(1, T, H, D)`` q/k/v and ``causal_conv1d`` on ``(1, T, C)``, int64 ``cu_seqlens`` (FLA's ``LongTensor``);
 - ``reference``: transformers' own torch fallbacks run on each sequence alone, exact by construction (the same
-  function on the same tokens as an unpacked sample), at one call per sequence.
+  function on the same tokens as an unpacked sample), at one call per sequence. Under ``torch.compile`` it runs
+  the whole flat row at once instead, the boundaries applied as device-side masks (`masked_causal_conv1d`,
+  `scan_gated_delta_rule`): a loop over the sequences, and transformers' loop over 64-token chunks, would be
+  unrolled and recompiled for every pack.
 
 ``auto`` picks ``fla`` for CUDA tensors in half precision (or under autocast) when the package imports, else
 ``reference``; forcing ``fla`` where it cannot run raises.
@@ -31,6 +34,9 @@ from . import _compat
 from .varlen import KERNEL_DTYPES, PackedSequences
 
 LINEAR_BACKENDS = ("fla", "reference")
+
+#: torch's ``scan``, looked up once here: dynamo would trace through the cached lookup on every compile
+_SCAN = _compat.torch_scan()
 
 
 def linear_backend_available(name: str, device: torch.device) -> bool:
@@ -78,18 +84,54 @@ def _cu_seqlens_int64(seqs: PackedSequences, device: torch.device) -> torch.Tens
 # ---------------------------------------------------------------------------------------------- causal conv1d
 
 
+def _offsets_in_sequence(seqs: PackedSequences, total: int, device: torch.device) -> torch.Tensor:
+    """Each token's position inside its own sequence, from ``cu_seqlens`` on the device (no host value)::
+
+        flat row   a a a | b b b b b | c        cu_seqlens [0, 3, 8, 9]
+        offsets    0 1 2   0 1 2 3 4   0
+
+    Returns `torch.LongTensor` of shape `(T,)`.
+    """
+    cu = seqs.cu_seqlens.to(device=device, dtype=torch.int64)
+    pos = torch.arange(total, device=device)
+    # searchsorted on the whole cu_seqlens (cu[0] = 0 <= pos, so the index is >= 1): never a size-1 slice,
+    # which torch.compile would specialise on
+    return pos - cu[torch.searchsorted(cu, pos, right=True) - 1]
+
+
 def reference_causal_conv1d(
     x, weight, bias, activation: str | None, seqs: PackedSequences, *, torch_fn: Callable
 ) -> torch.Tensor:
-    """``torch_fn`` (transformers' ``causal_conv1d_fn`` fallback) on each sequence alone, concatenated.
+    """``torch_fn`` (transformers' ``causal_conv1d_fn`` fallback) on each sequence alone, concatenated
+    (`masked_causal_conv1d` under ``torch.compile``).
 
     Args:
         x (`torch.Tensor` of shape `(1, C, T)`), weight (`(C, W)`), bias (`(C,)`, *optional*), activation (`str`).
         seqs (`PackedSequences`): the boundaries of the ``T`` tokens.
         torch_fn: ``fn(x, weight, bias, activation=...) -> (1, C, n)`` for one sequence.
     """
+    if torch.compiler.is_compiling():
+        return masked_causal_conv1d(x, weight, bias, activation, seqs)
     pieces = x.split(_seqlens(seqs), dim=-1)
     return torch.cat([torch_fn(piece, weight, bias, activation=activation) for piece in pieces], dim=-1)
+
+
+def masked_causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSequences) -> torch.Tensor:
+    """`reference_causal_conv1d` on the whole row at once: tap ``j`` of the window (``W - 1 - j`` tokens back)
+    is dropped for the tokens fewer than ``W - 1 - j`` tokens into their sequence, which is what zero padding
+    before each sequence gives. One graph for any pack; shapes and dtypes as in the reference."""
+    from transformers.activations import ACT2FN
+
+    width, total = weight.shape[-1], x.shape[-1]
+    offsets = _offsets_in_sequence(seqs, total, x.device)
+    padded = torch.nn.functional.pad(x.to(weight.dtype), (width - 1, 0))
+    out = bias[None, :, None].expand(1, -1, total) if bias is not None else 0
+    for tap in range(width):  # W is the layer's kernel size (4): a fixed, short loop
+        back = width - 1 - tap
+        out = out + weight[None, :, tap, None] * padded[..., tap : tap + total] * (offsets >= back)
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(x.dtype)
 
 
 def fla_causal_conv1d(
@@ -122,7 +164,8 @@ def causal_conv1d(
 def reference_gated_delta_rule(
     q, k, v, g, beta, seqs: PackedSequences, *, use_qk_l2norm: bool, torch_fn: Callable
 ) -> torch.Tensor:
-    """``torch_fn`` (transformers' ``torch_chunk_gated_delta_rule``) on each sequence alone, from a zero state.
+    """``torch_fn`` (transformers' ``torch_chunk_gated_delta_rule``) on each sequence alone, from a zero state
+    (`scan_gated_delta_rule` under ``torch.compile``, where torch has ``scan``).
 
     Args:
         q, k (`torch.Tensor` of shape `(1, T, H_k, D_k)`), v (`(1, T, H_v, D_v)`) with H_v % H_k == 0,
@@ -132,6 +175,8 @@ def reference_gated_delta_rule(
     Returns:
         `torch.Tensor` of shape `(1, T, H_v, D_v)` in q's dtype.
     """
+    if torch.compiler.is_compiling() and _SCAN is not None:
+        return scan_gated_delta_rule(q, k, v, g, beta, seqs, use_qk_l2norm=use_qk_l2norm)
     outs = []
     for qs, ks, vs, gs, bs in zip(*(t.split(_seqlens(seqs), dim=1) for t in (q, k, v, g, beta))):
         out, _ = torch_fn(
@@ -146,6 +191,41 @@ def reference_gated_delta_rule(
         )
         outs.append(out)
     return torch.cat(outs, dim=1)
+
+
+def scan_gated_delta_rule(q, k, v, g, beta, seqs: PackedSequences, *, use_qk_l2norm: bool) -> torch.Tensor:
+    """`reference_gated_delta_rule` as one token-by-token recurrence over the whole row (transformers'
+    ``torch_recurrent_gated_delta_rule`` step, in torch's ``scan``, which torch.compile traces once for any length):
+    the state's decay is 0 at each sequence's first token, so the state restarts there::
+
+        flat row   a a a | b b b b b | c
+        decay      0 e e   0 e e e e   0        e = exp(g_t);  S_t = decay_t * S_(t-1) + (delta rule update)
+
+    Same arguments, shapes and result as the reference (fp32 inside, q's dtype out). Backward keeps the state of
+    every step, ``T * H_v * D_k * D_v`` floats: for compiled CPU runs and small packs, like `masked_reference_varlen`.
+    """
+    dtype, total, heads = q.dtype, q.shape[1], v.shape[2]
+    if q.shape[2] != heads:  # each query/key head serves heads // H_k consecutive value heads
+        q, k = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (q, k))
+    q, k, v, g, beta = (t[0].float() for t in (q, k, v, g, beta))  # (T, H, D) and (T, H)
+    if use_qk_l2norm:
+        q, k = (t * torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + 1e-6) for t in (q, k))
+    q = q / q.shape[-1] ** 0.5
+    first = _offsets_in_sequence(seqs, total, q.device) == 0
+    decay = torch.where(first[:, None], torch.zeros_like(g), g.exp())
+
+    def step(state, token):  # state (H, D_k, D_v)
+        q_t, k_t, v_t, decay_t, beta_t = token
+        state = state * decay_t[:, None, None]
+        delta = (v_t - (state * k_t[..., None]).sum(dim=-2)) * beta_t[:, None]
+        # q_t^T S_t with S_t = state + k_t delta^T, expanded: reading the output off the returned state makes
+        # scan's backward (torch 2.14) reject the step as "aliasing the input or the output"
+        out = (state * q_t[..., None]).sum(dim=-2) + (q_t * k_t).sum(dim=-1, keepdim=True) * delta
+        return state + k_t[..., None] * delta[:, None, :], out
+
+    state = q.new_zeros(heads, q.shape[-1], v.shape[-1])
+    _, out = _SCAN(step, state, (q, k, v, decay, beta))
+    return out.unsqueeze(0).to(dtype)
 
 
 def fla_gated_delta_rule(

@@ -2,13 +2,17 @@
 
 ``torch.compile(layer, fullgraph=True, dynamic=True)`` on every decoder layer; 6 collator packs of different
 lengths and sequence counts, a processor's padded batch and one row packed by position ids go through the
-patched model (on CPU the reference attention runs one masked SDPA under compile, `masked_reference_varlen`).
+patched model. Under compile the CPU references run the whole pack at once with the boundaries as device-side
+masks: one masked SDPA (`masked_reference_varlen`) and, for Qwen3.5's linear-attention layers, a masked conv and a
+`scan` recurrence (`masked_causal_conv1d`, `scan_gated_delta_rule`).
 Backend ``aot_eager``: dynamo + AOT autograd trace the forward and backward graphs exactly as for
 inductor (a graph break or an unsupported op fails here too), without inductor's C++ codegen, which takes
 minutes per graph on 2 CPU cores. Compilations are counted by a backend that wraps it.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -30,13 +34,20 @@ PACKS = ([0], [1, 2], [0, 1, 2, 3], [4], [2, 3, 4], [0, 1, 2, 3, 4])
 
 
 class CountingBackend:
-    """``aot_eager`` that counts the graphs it is given (one per compilation, recompilations included)."""
+    """``aot_eager`` that counts compilations: each (frame, recompile) id once. A restarted analysis (dynamo
+    retraces after `_tensorify_python_scalars` turns a float into a tensor) hands the backend a second graph
+    under the same id, which is the same compilation."""
 
     def __init__(self) -> None:
-        self.graphs = 0
+        self.compile_ids: set[tuple[int, int]] = set()
+
+    @property
+    def graphs(self) -> int:
+        return len(self.compile_ids)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        self.graphs += 1
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        self.compile_ids.add((compile_id.frame_id, compile_id.frame_compile_id))
         return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
 
@@ -58,18 +69,16 @@ def _step(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-#: Qwen3.5's linear-attention layers stay eager here: see `test_qwen3_5_linear_attention_reference_recompiles_per_pack`
 def _compiled_layers(model) -> list[torch.nn.Module]:
-    text = model.config.get_text_config()
-    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    return [layer for layer, kind in zip(model.model.language_model.layers, types) if kind != "linear_attention"]
+    return list(model.model.language_model.layers)
 
 
 @pytest.mark.parametrize(
     "model_type", [t if t == "qwen2_5_vl" else pytest.param(t, marks=pytest.mark.slow) for t in MODEL_TYPES]
 )
 def test_decoder_layers_compile_whole_and_match_eager(model_type):
-    """Every softmax-attention decoder layer (all of them, Qwen3.5's full-attention ones) compiles whole."""
+    """Every decoder layer compiles whole: softmax attention (`masked_reference_varlen` under compile) and Qwen3.5's
+    linear attention (`masked_causal_conv1d` and `scan_gated_delta_rule` under compile)."""
     processor = load_processor(model_type)
     model = build_tiny_model(model_type, processor_dir=FIXTURES / model_type).train()
     hf_packing.apply_rmpad(model_type)
@@ -90,51 +99,67 @@ def test_decoder_layers_compile_whole_and_match_eager(model_type):
     assert 1 <= backend.graphs <= 2
 
 
-@pytest.mark.slow  # about 2 minutes on 2 loaded CPU cores (20-50 s per compilation)
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="Qwen3.5's CPU linear-attention path (`reference_gated_delta_rule`: transformers' "
-    "`torch_chunk_gated_delta_rule` on each sequence alone) compiles fullgraph, but recompiles for every pack: "
-    "dynamo unrolls our loop over the pack's sequences (host `seqlens`) and transformers' `for i in "
-    "range(num_chunks)` (num_chunks = ceil(len / chunk_size), a shape-derived int that dynamo specializes), so each "
-    "new (sequence count, chunk counts) is a new graph (measured: 1, 2, 3 graphs after packs [5], [3, 6], "
-    "[2, 4, 9]). On the tiny model one such layer took 87 s to compile for one pack on 2 CPU cores. FLA's "
-    "kernels (the GPU path) take cu_seqlens as a tensor and are untested under compile here.",
-)
-def test_qwen3_5_linear_attention_reference_recompiles_per_pack():
-    """The recompile bound the softmax layers meet (at most 2 compilations over packs of different lengths and
-    sequence counts), on Qwen3.5's gated delta rule alone; chunk_size 4 instead of 64 keeps each trace short
-    (the unrolled loops are the same, shorter)."""
-    from functools import partial
+def test_qwen3_5_linear_attention_compiles_once_for_all_packs():
+    """Qwen3.5's two linear-attention ops alone, compiled ``fullgraph=True, dynamic=True``: packs of different
+    lengths and sequence counts (a 1-token sequence among them) reuse one graph (at most 2 compilations: dynamo's
+    static first guess, then the dynamic graph), output and gradients equal to the per-sequence eager reference.
+    Negative control: the loop form of the conv (transformers' conv on each sequence alone, what eager runs)
+    compiles a new graph per pack, so the bound can fail (the chunk rule's loop form does too, at about a minute
+    per graph)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
-    from hf_packing.linear_attention import reference_gated_delta_rule
+    from hf_packing.linear_attention import reference_causal_conv1d, reference_gated_delta_rule
     from hf_packing.varlen import PackedSequences
 
-    torch_fn = partial(torch_chunk_gated_delta_rule, chunk_size=4)
+    chunk_rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    conv = inspect.unwrap(modeling_qwen3_5.causal_conv1d_fn)
 
-    def rule(q, k, v, g, beta, seqs):
-        return reference_gated_delta_rule(q, k, v, g, beta, seqs, use_qk_l2norm=True, torch_fn=torch_fn)
+    def layer_ops(q, k, v, g, beta, x, weight, bias, seqs):
+        mixed = reference_causal_conv1d(x, weight, bias, "silu", seqs, torch_fn=conv)
+        out = reference_gated_delta_rule(q, k, v, g, beta, seqs, use_qk_l2norm=True, torch_fn=chunk_rule)
+        return mixed, out
 
+    def run(fn, seqlens, generator):
+        total = sum(seqlens)
+        inputs = [
+            torch.randn(1, total, 2, 8, generator=generator),  # q, k: 2 key heads
+            torch.randn(1, total, 2, 8, generator=generator),
+            torch.randn(1, total, 4, 6, generator=generator),  # v: 4 value heads
+            -torch.rand(1, total, 4, generator=generator),  # g, beta
+            torch.rand(1, total, 4, generator=generator),
+            torch.randn(1, 10, total, generator=generator),  # conv input (1, C, T), weight (C, 4), bias
+            torch.randn(10, 4, generator=generator),
+            torch.randn(10, generator=generator),
+        ]
+        for t in inputs:
+            t.requires_grad_(True)
+        mixed, out = fn(*inputs, PackedSequences.from_seqlens(seqlens))
+        (mixed.square().sum() + out.square().sum()).backward()
+        return [mixed.detach(), out.detach(), *(t.grad for t in inputs)]
+
+    packs = ([5], [3, 6], [2, 4, 9], [12, 1], [7, 7, 7, 7], [1, 20])
     torch._dynamo.reset()
     backend = CountingBackend()
-    compiled = torch.compile(rule, fullgraph=True, dynamic=True, backend=backend)
-    generator = torch.Generator().manual_seed(0)
-    # like PACKS: different lengths and sequence counts. Not [12, 1]: there the compiled rule (aot_eager, torch 2.14)
-    # raises "view size is not compatible with input tensor's size and stride" where eager runs
-    for seqlens in ([5], [3, 6], [2, 4, 9]):
-        total, heads, dim = sum(seqlens), 2, 8
-        q, k, v = (torch.randn(1, total, heads, dim, generator=generator) for _ in range(3))
-        g = -torch.rand(1, total, heads, generator=generator)
-        beta = torch.rand(1, total, heads, generator=generator)
-        seqs = PackedSequences.from_seqlens(seqlens)
-        out, ref = compiled(q, k, v, g, beta, seqs), rule(q, k, v, g, beta, seqs)
-        if not torch.allclose(out, ref, rtol=1e-4, atol=1e-5):  # not an AssertionError: must not pass as the xfail
-            raise RuntimeError(f"compiled gated delta rule differs from eager on seqlens {seqlens}")
-    print(f"qwen3_5 gated delta rule: {backend.graphs} compilations over 3 packs")
+    compiled = torch.compile(layer_ops, fullgraph=True, dynamic=True, backend=backend)
+    for seqlens in packs:
+        got = run(compiled, seqlens, torch.Generator().manual_seed(len(seqlens)))
+        want = run(layer_ops, seqlens, torch.Generator().manual_seed(len(seqlens)))
+        for name, a, b in zip(("conv", "delta rule", "dq", "dk", "dv", "dg", "dbeta", "dx", "dw", "db"), got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{name} on {seqlens}")
+    print(f"qwen3_5 linear-attention ops: {backend.graphs} compilations over {len(packs)} packs")
     assert 1 <= backend.graphs <= 2
+
+    # negative control: the eager (per-sequence) form under compile recompiles as the packs change
+    torch._dynamo.reset()
+    looped = CountingBackend()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.compiler, "is_compiling", lambda: False)
+        loop_compiled = torch.compile(reference_causal_conv1d, fullgraph=True, dynamic=True, backend=looped)
+        for seqlens in ([5], [3, 6], [2, 4, 9]):
+            x, weight = torch.randn(1, 10, sum(seqlens)), torch.randn(10, 4)
+            loop_compiled(x, weight, None, "silu", PackedSequences.from_seqlens(seqlens), torch_fn=conv)
+    print(f"per-sequence conv loop: {looped.graphs} compilations over 3 packs")
+    assert looped.graphs > 2
 
 
 def _train_three_steps(tmp_path, model_type: str, packs: list, *, compile: bool):
