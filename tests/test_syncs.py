@@ -123,6 +123,27 @@ def test_a_host_read_on_the_collator_path_fails_the_gate(monkeypatch):
     assert any("3 tolist host reads from hf_packing" in f for f in failures)
 
 
+@pytest.mark.parametrize(
+    ("filename", "expected"),
+    [
+        ("/ci/hf_packing/tests/test_x.py", "tests/test_x.py"),  # a checkout whose folder is named hf_packing
+        ("/ci/hf_packing/hf_packing/loss.py", "hf_packing/loss.py"),
+        ("/ci/hf_packing/.venv/lib/python3.11/site-packages/transformers/m.py", "transformers/m.py"),
+        ("/usr/lib/python3.11/site-packages/hf_packing/loss.py", "hf_packing/loss.py"),  # installed, not editable
+    ],
+)
+def test_origins_are_relative_to_the_checkout(monkeypatch, filename, expected):
+    """Which syncs are "ours" is read off the origin's path: a test file in a checkout named ``hf_packing`` must
+    not read as ``hf_packing/tests/...`` (it did, and failed the gate in a clone made as ``git clone ...
+    hf_packing``)."""
+    from hf_packing.testing import syncs
+
+    monkeypatch.setattr(syncs, "_REPO_DIR", "/ci/hf_packing/")
+    namespace: dict = {"origin": syncs.origin}
+    exec(compile("def where():\n    return origin()\n", filename, "exec"), namespace)
+    assert namespace["where"]() == f"{expected}:2 where"
+
+
 def test_counter_sees_each_kind_of_sync():
     """The counter itself: each listed op counts once, its sync-free forms and `_assert_async` do not."""
     x = torch.tensor([0, 2, 1, 3])

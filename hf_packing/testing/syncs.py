@@ -29,6 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _THIS_FILE = str(Path(__file__))
+#: the folder holding the hf_packing package (a checkout's root), so origins read ``hf_packing/...``, ``tests/...``
+_REPO_DIR = str(Path(__file__).parents[2]) + "/"
 _ALWAYS_SYNC = {
     "aten::_local_scalar_dense",
     "aten::nonzero",
@@ -61,11 +63,8 @@ def origin() -> str:
         if not path.startswith(_TORCH_DIR) and path != _THIS_FILE:
             if "site-packages/" in path:
                 path = path.split("site-packages/", 1)[1]
-            else:
-                for top in ("/hf_packing/", "/tests/", "/benchmarks/"):
-                    if top in path:
-                        path = path[path.rindex(top) + 1 :]
-                        break
+            elif path.startswith(_REPO_DIR):  # a checkout, whatever its folder is called (even hf_packing/)
+                path = path[len(_REPO_DIR) :]
             return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return "<torch>"
