@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from . import _compat
-from .varlen import KERNEL_DTYPES, PackedSequences
+from .varlen import KERNEL_DTYPES, PackedSequences, token_sequences
 
 LINEAR_BACKENDS = ("fla", "reference")
 
@@ -84,21 +84,6 @@ def _cu_seqlens_int64(seqs: PackedSequences, device: torch.device) -> torch.Tens
 # ---------------------------------------------------------------------------------------------- causal conv1d
 
 
-def _offsets_in_sequence(seqs: PackedSequences, total: int, device: torch.device) -> torch.Tensor:
-    """Each token's position inside its own sequence, from ``cu_seqlens`` on the device (no host value)::
-
-        flat row   a a a | b b b b b | c        cu_seqlens [0, 3, 8, 9]
-        offsets    0 1 2   0 1 2 3 4   0
-
-    Returns `torch.LongTensor` of shape `(T,)`.
-    """
-    cu = seqs.cu_seqlens.to(device=device, dtype=torch.int64)
-    pos = torch.arange(total, device=device)
-    # searchsorted on the whole cu_seqlens (cu[0] = 0 <= pos, so the index is >= 1): never a size-1 slice,
-    # which torch.compile would specialise on
-    return pos - cu[torch.searchsorted(cu, pos, right=True) - 1]
-
-
 def reference_causal_conv1d(
     x, weight, bias, activation: str | None, seqs: PackedSequences, *, torch_fn: Callable
 ) -> torch.Tensor:
@@ -123,7 +108,7 @@ def masked_causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSe
     from transformers.activations import ACT2FN
 
     width, total = weight.shape[-1], x.shape[-1]
-    offsets = _offsets_in_sequence(seqs, total, x.device)
+    _, offsets = token_sequences(seqs, total, x.device)
     padded = torch.nn.functional.pad(x.to(weight.dtype), (width - 1, 0))
     out = bias[None, :, None].expand(1, -1, total) if bias is not None else 0
     for tap in range(width):  # W is the layer's kernel size (4): a fixed, short loop
@@ -211,7 +196,7 @@ def scan_gated_delta_rule(q, k, v, g, beta, seqs: PackedSequences, *, use_qk_l2n
     if use_qk_l2norm:
         q, k = (t * torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + 1e-6) for t in (q, k))
     q = q / q.shape[-1] ** 0.5
-    first = _offsets_in_sequence(seqs, total, q.device) == 0
+    first = token_sequences(seqs, total, q.device)[1] == 0
     decay = torch.where(first[:, None], torch.zeros_like(g), g.exp())
 
     def step(state, token):  # state (H, D_k, D_v)

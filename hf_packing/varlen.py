@@ -189,6 +189,23 @@ def reference_varlen(
     return torch.cat(outs, dim=0)
 
 
+def token_sequences(seqs: PackedSequences, total: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's sequence and its position inside it, from ``cu_seqlens`` on the device (no host value)::
+
+        flat row   a a a | b b b b b | c        cu_seqlens [0, 3, 8, 9]
+        sequence   1 1 1   2 2 2 2 2   3
+        offset     0 1 2   0 1 2 3 4   0
+
+    Returns two `torch.LongTensor` of shape `(T,)`: the 1-based sequence index and the offset.
+    """
+    cu = seqs.cu_seqlens.to(device=device, dtype=torch.int64)
+    pos = torch.arange(total, device=device)
+    # the whole cu_seqlens (never of size 1, which torch.compile would specialise on), not cu_seqlens[1:];
+    # cu[0] = 0 <= pos, so every index is >= 1
+    seq_id = torch.searchsorted(cu, pos, right=True)
+    return seq_id, pos - cu[seq_id - 1]
+
+
 def masked_reference_varlen(
     q, k, v, seqs: PackedSequences, *, causal: bool, scale: float, window: int | None = None, dropout: float = 0.0
 ) -> torch.Tensor:
@@ -196,8 +213,7 @@ def masked_reference_varlen(
     for any number of sequences; O(T²) memory, so for compiled CPU tests and small packs)."""
     q, k, v = _common_dtype(q, k, v)
     pos = torch.arange(q.shape[0], device=q.device)
-    # the whole cu_seqlens (never of size 1, which torch.compile would specialise on), not cu_seqlens[1:]
-    seq_id = torch.searchsorted(seqs.cu_seqlens.to(q.device, torch.int64), pos, right=True)
+    seq_id, _ = token_sequences(seqs, q.shape[0], q.device)
     mask = seq_id[:, None] == seq_id[None, :]
     if causal:
         mask &= pos[:, None] >= pos[None, :]

@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from hf_packing.linear_attention import (
-    _offsets_in_sequence,
     masked_causal_conv1d,
     reference_causal_conv1d,
     reference_gated_delta_rule,
     scan_gated_delta_rule,
 )
-from hf_packing.varlen import PackedSequences
+from hf_packing.varlen import PackedSequences, token_sequences
 
 modeling_qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 CHUNK_RULE = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
@@ -25,9 +24,10 @@ CONV = inspect.unwrap(modeling_qwen3_5.causal_conv1d_fn)
 PACKS = ([5], [3, 5, 1], [1, 1, 2], [70, 2, 9])
 
 
-def test_offsets_in_sequence():
-    seqs = PackedSequences.from_seqlens([3, 5, 1])
-    assert _offsets_in_sequence(seqs, 9, torch.device("cpu")).tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0]
+def test_token_sequences():
+    seq_id, offsets = token_sequences(PackedSequences.from_seqlens([3, 5, 1]), 9, torch.device("cpu"))
+    assert seq_id.tolist() == [1, 1, 1, 2, 2, 2, 2, 2, 3]
+    assert offsets.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0]
 
 
 def _delta_rule_inputs(total: int, generator: torch.Generator) -> list[torch.Tensor]:
