@@ -3,10 +3,10 @@
 `transformers.HfArgumentParser` reads it from YAML or the command line (`recipes/train.py`, `hf-packing stats`), and
 `pack_dataset(ds, processor, config, **overrides)` resolves keyword overrides into it, so no option is declared twice.
 
-Per-source settings (`media_root`, `video_root`, `fps`, `videos_kwargs`, `row_format`) and `weights` take one value,
-a list (one per source of a `{name: dataset}` mix, in its order) or a `{source name: value}` dict. From YAML or Python
-they are given as such; on a command line a flag is one string, so a dict or list is written as JSON
-(``--media_root '{"coco": "/data/coco", "clips": "/data/clips"}'``) and decoded by `__post_init__`.
+Per-source settings (`media_root`, `video_root`, `fps`, `videos_kwargs`, `row_format`, `chat_template_kwargs`) and
+`weights` take one value, a list (one per source of a `{name: dataset}` mix, in its order) or a `{source name: value}`
+dict. From YAML or Python they are given as such; on a command line a flag is one string, so a dict or list is written
+as JSON (``--media_root '{"coco": "/data/coco", "clips": "/data/clips"}'``) and decoded by `__post_init__`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ NumberSetting = float | str | list | dict | None
 DictSetting = dict | str | list | None
 
 #: fields whose command-line string may be JSON (a dict or a list)
-JSON_FIELDS = ("weights", "media_root", "video_root", "fps", "videos_kwargs", "row_format")
+JSON_FIELDS = ("weights", "media_root", "video_root", "fps", "videos_kwargs", "row_format", "chat_template_kwargs")
 #: fields that must be >= 1
 POSITIVE_FIELDS = ("buffer_size", "prefetch", "batch_size", "balance_window")
 
@@ -110,14 +110,32 @@ class PackingConfig:
     row_format: DictSetting = field(
         default="auto",
         metadata=_help(
-            """"messages", "llava" or "auto" (detected from each source's own columns): one, a list or
-            {source: format}"""
+            """"messages" (HF, LLaMA-Factory), "llava" (LLaVA / ShareGPT conversations), "prompt_completion" (TRL)
+            or "auto" (detected from each source's own columns): one, a list or {source: format}; see
+            docs/row_formats.md"""
+        ),
+    )
+    chat_template_kwargs: DictSetting = field(
+        default=None,
+        metadata=_help(
+            """extra variables of the checkpoint's chat template, as apply_chat_template(**kwargs) takes them (e.g.
+            {"add_vision_id": true, "enable_thinking": false}): one dict for all sources, a list or {source: dict}
+            (JSON on a command line). A row's tools come from its own "tools" column"""
+        ),
+    )
+    empty_thinking: Literal["mask", "train"] = field(
+        default="mask",
+        metadata=_help(
+            """an empty thinking block (<think>\n\n</think>\n\n) that the template inserts before an answer
+            without reasoning (Qwen3.5): "mask" leaves it out of the labels (the data says nothing about thinking
+            there), "train" supervises it (teaches the model to skip thinking)"""
         ),
     )
     train_on: Literal["assistant", "all"] = field(
         default="assistant",
         metadata=_help(
-            """supervise each assistant turn's content and its <|im_end|>, or "all" text. Vision tokens (pads,
+            """supervise each assistant turn as the chat template renders it (thinking, tool calls, content and its
+            end-of-turn token; a TRL prompt's turns are context), or "all" text. Vision tokens (pads,
             <|vision_start|> / <|vision_end|>, video timestamps) never are"""
         ),
     )

@@ -35,9 +35,10 @@ import numpy as np
 import torch
 
 from .config import PackingConfig
-from .formats import FORMATS, normalize_row, row_fps
+from .formats import FORMATS, Conversation, normalize_row, row_fps
 from .images import MAX_IMAGE_PIXELS, REASONS, ImageLoader, OverlongError, SampleError
 from .loss import IGNORE_INDEX
+from .templates import ChatRenderer
 from .video import VideoInfo, VideoLoader, is_file_ref
 from .video_sampling import VideoSampling
 
@@ -45,7 +46,8 @@ logger = logging.getLogger("hf_packing")
 
 
 #: a row's planning metadata as columns (`hf_packing.length_index`): tokens, images, Σ t·h·w, Σ t·(h·w)², videos and
-#: their `<|video_pad|>` tokens, and for a refused row its reason and message (tokens -1)
+#: their `<|video_pad|>` tokens, for a refused row its reason and message (tokens -1), and what the row carries
+#: beyond text (`formats.FEATURES`, comma-separated)
 META_COLUMNS = (
     "hfp_num_tokens",
     "hfp_num_images",
@@ -55,6 +57,7 @@ META_COLUMNS = (
     "hfp_video_tokens",
     "hfp_skip",
     "hfp_skip_message",
+    "hfp_features",
 )
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 __all__ = [
@@ -68,7 +71,6 @@ __all__ = [
     "SkipCounter",
     "normalize_row",
 ]
-_CHATML = re.compile(r"<\|im_start\|>assistant\n.*?<\|im_end\|>", re.S)
 
 
 class SkipCounter(Counter):
@@ -107,6 +109,7 @@ class SampleMeta:
     vision_sq: int = 0
     num_videos: int = 0
     video_tokens: int = 0
+    features: tuple[str, ...] = ()  # what of formats.FEATURES the row carries (reasoning, tool calls, ...)
 
 
 @dataclass(frozen=True)
@@ -135,8 +138,9 @@ class Preprocessor:
     Args:
         processor: a Qwen-VL processor (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`, `Qwen3VLProcessor`).
         max_length (`int`, *optional*): token budget (`None`: none); longer samples follow `on_overlong`.
-        media_root, video_root, fps, videos_kwargs, train_on, on_overlong, max_image_pixels: one source's value of
-            the [`~hf_packing.stream.pack_dataset`] setting of that name (`image_root`: `media_root`'s former name).
+        media_root, video_root, fps, videos_kwargs, train_on, on_overlong, max_image_pixels, chat_template_kwargs,
+            empty_thinking: one source's value of the [`~hf_packing.stream.pack_dataset`] setting of that name
+            (`image_root`: `media_root`'s former name).
         row_format (`str`, defaults to `"auto"`): `"messages"`, `"llava"`, or `"auto"` per row (see `formats.py`).
     """
 
@@ -154,6 +158,8 @@ class Preprocessor:
         on_overlong: str = PackingConfig.on_overlong,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
         image_root: str | os.PathLike | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        empty_thinking: str = PackingConfig.empty_thinking,
     ) -> None:
         if media_root is not None and image_root is not None:
             raise ValueError("image_root is the former name of media_root: pass one of them")
@@ -172,6 +178,9 @@ class Preprocessor:
         video_processor = getattr(processor, "video_processor", None)
         self.sampling = VideoSampling(video_processor, videos_kwargs) if video_processor is not None else None
         self.fps, self.row_format = fps, row_format
+        self.template = ChatRenderer(processor, chat_template_kwargs, empty_thinking=empty_thinking)
+        if train_on == "assistant":
+            self.template.markers  # noqa: B018 - a template whose turns cannot be located is refused here, not per row
         self.tokenizer = getattr(processor, "tokenizer", processor)
         ids = self.tokenizer.convert_tokens_to_ids
         self.image_token, self.video_token = processor.image_token, getattr(processor, "video_token", None)
@@ -203,9 +212,9 @@ class Preprocessor:
         except Exception as err:  # noqa: BLE001 - counted like planning counts it (unexpected_error)
             known = isinstance(err, SampleError)
             reason, message = (err.reason, str(err)) if known else ("unexpected_error", f"{type(err).__name__}: {err}")
-            return dict(zip(META_COLUMNS, (-1, 0, 0, 0, 0, 0, reason, message), strict=True))
+            return dict(zip(META_COLUMNS, (-1, 0, 0, 0, 0, 0, reason, message, ""), strict=True))
         counts = (meta.num_tokens, meta.num_images, meta.vision_patches, meta.vision_sq, meta.num_videos)
-        return dict(zip(META_COLUMNS, (*counts, meta.video_tokens, "", ""), strict=True))
+        return dict(zip(META_COLUMNS, (*counts, meta.video_tokens, "", "", ",".join(meta.features)), strict=True))
 
     def planned_meta(self, row: Mapping[str, Any], index: Any = None) -> SampleMeta:
         """What the planner uses: the row's [`META_COLUMNS`] when it has them, else [`estimate`]. Columns computed with
@@ -213,25 +222,26 @@ class Preprocessor:
         found when the sample is processed (reason `"overlong_vision"`)."""
         if META_COLUMNS[0] not in row:
             return self.estimate(row, index)
-        tokens, images, patches, vision_sq, videos, video_tokens, skip, message = (row[c] for c in META_COLUMNS)
+        tokens, images, patches, vision_sq, videos, video_tokens, skip, message, features = (
+            row[c] for c in META_COLUMNS
+        )
         if skip:
             raise SampleError(skip, message or f"refused when the metadata columns were computed ({skip})")
         if self.max_length is not None and tokens > self.max_length:
             tokens = self._truncate(index, np.array([tokens]), np.zeros(1, bool), np.ones(1, bool))
-        return SampleMeta(tokens, images, patches, vision_sq, videos, video_tokens)
+        features = tuple(features.split(",")) if features else ()
+        return SampleMeta(tokens, images, patches, vision_sq, videos, video_tokens, features)
 
     def _prepare(self, row: Mapping[str, Any], index: Any) -> _Prepared:
-        messages, images, refs = normalize_row(row, index, row_format=self.row_format)
+        conv = normalize_row(row, index, row_format=self.row_format)
+        images, refs = conv.images, conv.videos
         fps = row_fps(row, len(refs), self.fps, frames=[not is_file_ref(ref) for ref in refs])
-        if self.train_on == "assistant" and not any(m["role"] == "assistant" for m in messages):
-            raise SampleError("no_assistant_turn", "no assistant turn to supervise (or set train_on='all')")
-        text = self.processor.apply_chat_template(messages, tokenize=False)
+        text, spans = self._render(conv)
         if text.count(self.image_token) != len(images) or (
             self.video_token and text.count(self.video_token) != len(refs)
         ):
             raise SampleError("placeholder_mismatch", "the text itself contains image/video placeholder tokens")
         img_patches = [self._image_patches(ref) for ref in images]
-        spans = self._supervised_spans(messages, text)
         videos = [self._video(ref, rate) for ref, rate in zip(refs, fps, strict=True)]
         compressed, vid_runs, vid_patches, shift = self._expand_videos(text, videos)
         enc = self.tokenizer(compressed, return_offsets_mapping=True)
@@ -255,26 +265,30 @@ class Preprocessor:
         num_tokens = self._truncate(index, repeats, vision, supervised)
         patches = sum(img_patches) + sum(vid_patches[0])
         vision_sq = sum(p * p for p in img_patches) + sum(vid_patches[2])
-        meta = SampleMeta(num_tokens, len(images), patches, vision_sq, len(videos), sum(vid_runs))
+        meta = SampleMeta(
+            num_tokens, len(images), patches, vision_sq, len(videos), sum(vid_runs), tuple(conv.features())
+        )
         return _Prepared(text, images, videos, ids, repeats, supervised, meta)
 
-    def _supervised_spans(self, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]] | None:
-        """Character spans of assistant content + end-of-turn token in `text` (`None` = supervise everything)."""
+    def _render(self, conv: Conversation) -> tuple[str, list[tuple[int, int]] | None]:
+        """The text the processor receives and the character spans supervised in it (`None`: every token).
+
+        The checkpoint's chat template renders the conversation as written; the supervised spans are its assistant
+        turns (from `first_supervised` on) as [`~hf_packing.templates.ChatRenderer`] locates them. A standard TRL
+        prompt/completion row has no template: `prompt + completion + eos`, the completion and eos supervised.
+        """
+        if conv.raw is not None:
+            prompt, completion = conv.raw
+            eos = self.tokenizer.eos_token or ""
+            text = prompt + completion + ("" if completion.endswith(eos) else eos)
+            return text, None if self.train_on == "all" else [(len(prompt), len(text))]
+        first = conv.first_supervised
+        if self.train_on == "assistant" and not any(m["role"] == "assistant" for m in conv.messages[first:]):
+            raise SampleError("no_assistant_turn", "no assistant turn to supervise (or set train_on='all')")
+        text = self.template.render(conv.messages, conv.tools)
         if self.train_on == "all":
-            return None
-        n_asst = sum(m["role"] == "assistant" for m in messages)
-        spans = [(m.start() + len("<|im_start|>assistant\n"), m.end()) for m in _CHATML.finditer(text)]
-        if len(spans) == n_asst:
-            return spans
-        spans, render = [], self.processor.apply_chat_template  # not ChatML: diff renders of growing prefixes
-        for i, message in enumerate(messages):
-            if message["role"] == "assistant":
-                head = render(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-                turn = render(messages[: i + 1], tokenize=False)
-                if not (text.startswith(turn) and turn.startswith(head)):
-                    raise SampleError("bad_row", "the chat template does not render conversations prefix by prefix")
-                spans.append((len(head), len(turn.rstrip())))
-        return spans
+            return text, None
+        return text, self.template.assistant_spans(text, conv.messages, supervised=lambda i: i >= first)
 
     def _video(self, ref: Any, rate: float | None) -> _Video:
         """A video's plan from headers: a file's sampled frame indices, or pre-sampled frames taken at `rate`."""

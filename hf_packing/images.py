@@ -21,6 +21,7 @@ from PIL import Image, ImageOps
 
 REASONS: tuple[str, ...] = (  # why a row is skipped: its conversation, its media, its size, its processing
     *("bad_row", "bad_text", "empty_conversation", "no_assistant_turn", "placeholder_mismatch", "missing_file"),
+    *("template_error", "unlocated_assistant_turn"),
     *("path_outside_root", "empty_image", "corrupt_image", "image_too_large", "bad_aspect_ratio", "unsupported_video"),
     *("empty_video", "corrupt_video", "video_too_large"),
     *("overlong", "overlong_vision", "length_mismatch", "too_many_images", "too_many_vision_patches"),

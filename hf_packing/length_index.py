@@ -34,7 +34,7 @@ from .sources import json_decoder
 
 __all__ = ["build_length_index", "index_key", "with_length_index"]
 
-_INDEX_VERSION = 1  # bump when the columns or the estimate change meaning: older files are then never read
+_INDEX_VERSION = 2  # bump when the columns or the estimate change meaning: older files are then never read
 
 
 def processor_signature(processor: Any) -> dict[str, Any]:
@@ -63,6 +63,8 @@ def index_key(ds: Any, preprocessor: Preprocessor) -> str:
         "on_overlong": pre.on_overlong,
         "train_on": pre.train_on,
         "row_format": pre.row_format,
+        "chat_template_kwargs": pre.template.template_kwargs,
+        "empty_thinking": pre.template.empty_thinking,
         "fps": pre.fps,
         "media_root": str(pre.images.image_root),
         "video_root": str(pre.videos.images.image_root),
@@ -92,7 +94,7 @@ class _IndexRows:
 def _features() -> Any:
     from datasets import Features, Value
 
-    kinds = ("int64", "int32", "int64", "int64", "int32", "int64", "string", "string")
+    kinds = ("int64", "int32", "int64", "int64", "int32", "int64", "string", "string", "string")
     return Features({c: Value(k) for c, k in zip(META_COLUMNS, kinds, strict=True)})
 
 

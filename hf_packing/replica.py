@@ -17,13 +17,12 @@ import torch
 from .balance import WorkCost, schedule
 from .config import PackingConfig
 from .data import OverlongError, Preprocessor, SampleError, SampleMeta
-from .formats import per_source
+from .formats import per_source, per_source_dict
 from .loss import IGNORE_INDEX
 from .pack_stats import PackStats, check_yield
 from .planner import StreamingPlanner
 from .source_ids import SOURCE_ID, SourceTagger
 from .sources import SOURCE_COLUMN
-from .video_sampling import per_source_videos_kwargs
 
 __all__ = ["Replica", "preprocessors"]
 
@@ -32,7 +31,8 @@ def preprocessors(cfg: PackingConfig, processor: Any, names: list[str]) -> dict[
     """One [`Preprocessor`] per source of `cfg` (key `None` for a single dataset), with that source's format and
     roots."""
     per = {k: per_source(getattr(cfg, k), names, k) for k in ("media_root", "video_root", "fps")}
-    videos_kwargs = per_source_videos_kwargs(cfg.videos_kwargs, names)
+    videos_kwargs = per_source_dict(cfg.videos_kwargs, names, "videos_kwargs")
+    template_kwargs = per_source_dict(cfg.chat_template_kwargs, names, "chat_template_kwargs")
     fmt = per_source(cfg.row_format, names, "row_format", "auto")
     return {
         n: Preprocessor(
@@ -46,6 +46,8 @@ def preprocessors(cfg: PackingConfig, processor: Any, names: list[str]) -> dict[
             train_on=cfg.train_on,
             on_overlong=cfg.on_overlong,
             max_image_pixels=cfg.max_image_pixels,
+            chat_template_kwargs=template_kwargs[n],
+            empty_thinking=cfg.empty_thinking,
         )
         for n in fmt
     }

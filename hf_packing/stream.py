@@ -72,7 +72,9 @@ from .sources import make_source
 __all__ = ["PackStats", "PackedDataset", "PackingConfig", "pack_dataset"]
 logger = logging.getLogger("hf_packing")
 
-_STATE_VERSION = 4  # 3: scheduled steps and cost weights; 4: video skip reasons and counters in the PackStats row
+# 3: scheduled steps and cost weights; 4: video skip reasons and counters in the PackStats row; 5: rows reach the chat
+# template whole (lengths change), chat_template_kwargs and empty_thinking in the plan
+_STATE_VERSION = 5
 _MAX_SLOTS = 65  # rows of the shared stats table: the main process + up to 64 DataLoader workers
 
 _PLAN_KEYS = (
@@ -88,6 +90,8 @@ _PLAN_KEYS = (
     "stopping_strategy",
     "balance_window",
     "videos_kwargs",
+    "chat_template_kwargs",
+    "empty_thinking",
 )  # settings a saved state must match (and the cost weights)
 
 

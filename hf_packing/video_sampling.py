@@ -18,14 +18,14 @@ exactly as if it had sampled the file itself.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from .images import SampleError
 from .video import VideoInfo
 
-__all__ = ["DEFAULT_FPS", "VIDEO_KWARGS", "VideoSampling", "per_source_videos_kwargs"]
+__all__ = ["DEFAULT_FPS", "VIDEO_KWARGS", "VideoSampling"]
 
 _KINDS = {"fps": "a positive number", "do_sample_frames": "True or False"}
 DEFAULT_FPS = 2.0  # qwen-vl-utils' FPS, used when neither the settings nor the processor give a rate or a count
@@ -63,15 +63,6 @@ class VideoSettings:
 
 
 VIDEO_KWARGS: tuple[str, ...] = tuple(f.name for f in fields(VideoSettings))
-
-
-def per_source_videos_kwargs(value: Any, names: Sequence[str]) -> dict[str | None, Mapping[str, Any] | None]:
-    """`videos_kwargs` for every source: one mapping of [`VIDEO_KWARGS`] for all, or `{source name: mapping}`."""
-    from .formats import per_source
-
-    if isinstance(value, Mapping) and (not names or (set(value) <= set(VIDEO_KWARGS) and not set(value) & set(names))):
-        return dict.fromkeys(list(names) or [None], value)  # one set of kwargs for every source
-    return per_source(value, names, "videos_kwargs")
 
 
 class VideoSampling:

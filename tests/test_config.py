@@ -35,6 +35,8 @@ CUSTOM = PackingConfig(
     fps=[2.0, 1.0],
     videos_kwargs={"fps": 1.0, "max_frames": 8},
     row_format={"a": "llava", "b": "messages"},
+    chat_template_kwargs={"add_vision_id": True},
+    empty_thinking="train",
     train_on="all",
     on_overlong="truncate_text",
     on_error="raise",
@@ -94,6 +96,7 @@ def test_round_trip_through_hf_argument_parser_from_a_command_line():
         "fps",
         "videos_kwargs",
         "row_format",
+        "chat_template_kwargs",
     ]
     # the dash spellings, the former name `image_root` and False from Python read the same
     (dashed,) = parser.parse_args_into_dataclasses(

@@ -12,6 +12,7 @@ from PIL import Image
 
 from hf_packing.collator import RopeIndex
 from hf_packing.data import Preprocessor, SampleError, normalize_row
+from hf_packing.formats import Conversation
 from hf_packing.testing.tiny import tiny_config
 
 
@@ -33,15 +34,15 @@ def processor():
 # ------------------------------------------------------------------------------------------------- normalising
 def test_llava_video_tags_are_video_parts_never_text():
     row = {"video": "clip.mp4", "conversations": turns("<video>\nWhat happens?<image>", "It rains.")}
-    messages, images, videos = normalize_row({**row, "image": "a.png"})
-    assert messages == [
+    conv = normalize_row({**row, "image": "a.png"})
+    assert conv.messages == [
         {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}, {"type": "image"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "It rains."}]},
+        {"role": "assistant", "content": "It rains."},  # a turn without tags stays as written
     ]
-    assert (images, videos) == (["a.png"], ["clip.mp4"])
+    assert (conv.images, conv.videos) == (["a.png"], ["clip.mp4"])
     # `videos` holds one entry per video: a file, or a video's pre-sampled frames as a nested list
     two = {"videos": ["a.mp4", ["f0.png", "f1.png"]], "conversations": turns("<video><video>Both?")}
-    assert normalize_row(two)[2] == ["a.mp4", ["f0.png", "f1.png"]]
+    assert normalize_row(two).videos == ["a.mp4", ["f0.png", "f1.png"]]
 
 
 def test_a_row_is_normalised_by_its_sources_format_not_by_its_columns():
@@ -65,10 +66,10 @@ def test_a_row_is_normalised_by_its_sources_format_not_by_its_columns():
         "video": None,
         "conversations": None,
     }
-    expected = (
+    expected = Conversation(
         [
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
-            {"role": "assistant", "content": [{"type": "text", "text": "A dog."}]},
+            {"role": "assistant", "content": "A dog."},
         ],
         ["a.png"],
         [],
@@ -147,7 +148,7 @@ def test_frames_fps_gives_the_processors_temporal_positions(family, tmp_path):
     names = frames(tmp_path, 4)
     row = {"videos": [names], "fps": 0.5, "conversations": turns("<video>\nWhat happens?", "It rains.")}
     pre = Preprocessor(proc, image_root=tmp_path)
-    text = proc.apply_chat_template(normalize_row(row)[0], tokenize=False)
+    text = proc.apply_chat_template(normalize_row(row).messages, tokenize=False)
     clip = np.stack([np.asarray(Image.open(tmp_path / n).convert("RGB")) for n in names])
 
     def positions(sample):

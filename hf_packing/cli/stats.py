@@ -17,7 +17,7 @@ from collections import Counter
 
 from ..config import PackingConfig
 from ..data import Preprocessor, SampleError, SkipCounter
-from ..formats import source_formats
+from ..formats import FEATURES, source_formats
 from ..pack_stats import pack_stats
 from ..planner import STRATEGIES, plan_packs
 from ..replica import preprocessors
@@ -27,7 +27,7 @@ logger = logging.getLogger("hf_packing")
 
 def collect_metadata(dataset, preprocessor: Preprocessor, *, show_progress: bool = True):
     """Per-sample (tokens, images, vision patches) for every usable row, a `Counter` of skip reasons, and the usable
-    rows' `{"videos", "video_tokens"}`."""
+    rows' `{"videos", "video_tokens", "features"}` (features: rows carrying each of `formats.FEATURES`)."""
     from tqdm.auto import tqdm
 
     lengths, images, patches, videos = [], [], [], Counter()
@@ -42,8 +42,15 @@ def collect_metadata(dataset, preprocessor: Preprocessor, *, show_progress: bool
         lengths.append(meta.num_tokens)
         images.append(meta.num_images)
         patches.append(meta.vision_patches)
-        videos.update(videos=meta.num_videos, video_tokens=meta.video_tokens)
-    return lengths, images, patches, skipped, {"videos": videos["videos"], "video_tokens": videos["video_tokens"]}
+        videos.update(videos=meta.num_videos, video_tokens=meta.video_tokens, **dict.fromkeys(meta.features, 1))
+    features = {f: videos[f] for f in FEATURES}
+    return (
+        lengths,
+        images,
+        patches,
+        skipped,
+        {"videos": videos["videos"], "video_tokens": videos["video_tokens"], "features": features},
+    )
 
 
 def run_stats(args: argparse.Namespace, config: PackingConfig | None = None) -> dict[str, dict]:
@@ -87,6 +94,7 @@ def run_stats(args: argparse.Namespace, config: PackingConfig | None = None) -> 
         results[strategy] = {**stats, "dropped": dict(dropped), "skipped": dict(skipped), **videos}
         fills[strategy] = [sum(lengths[i] for i in p) / cfg.max_length for p in packs]
     print(format_table(results, len(lengths) + sum(skipped.values()), cfg))
+    print("rows carrying " + ", ".join(f"{k.replace('_', ' ')}: {n}" for k, n in videos["features"].items()))
     share = videos["video_tokens"] / sum(lengths)
     print(f"videos: {videos['videos']} in usable rows, {videos['video_tokens']:,} video tokens ({share:.1%} of tokens)")
     plot_stats(fills, lengths, args.output, cfg.max_length)
