@@ -345,3 +345,51 @@ def test_docs_show_each_familys_rendered_sample_with_its_labels(family_processor
     doc = (Path(__file__).parents[1] / "docs" / "chat_templates.md").read_text()
     for family, text in doc_examples(family_processors, media).items():
         assert text in doc, f"docs/chat_templates.md: the {family} example is stale; it renders as\n{text}"
+
+
+def test_llama_factory_and_trl_rows_pack_and_train(family_processors, media, tmp_path):
+    """Both formats through `datasets`, `pack_dataset`, `VisionCollator` and a Trainer step; every packed sample
+    equals the preprocessor's (whose labels the tests above hold to the formats' conventions)."""
+    from conftest import sgd_training_args
+    from datasets import Dataset
+    from transformers import Trainer
+
+    import hf_packing
+    from hf_packing.testing.tiny import build_tiny_model
+
+    processor = family_processors["qwen2_5_vl"]
+    factory = [
+        {
+            "messages": [
+                {"role": "user", "content": f"<image>\nWhat is {k}?"},
+                {"role": "assistant", "content": "A car."},
+            ],
+            "images": [media["a"]],
+        }
+        for k in range(3)
+    ]
+    text = lambda t: [{"type": "text", "text": t}]  # noqa: E731
+    trl = [
+        {
+            "prompt": [{"role": "user", "content": [{"type": "image", "text": None}, *text(f"Colour {k}?")]}],
+            "completion": [{"role": "assistant", "content": text("Red.")}],
+            "images": [media["b"]],
+        }
+        for k in range(3)
+    ]
+    hf_packing.apply_rmpad()
+    model = build_tiny_model("qwen2_5_vl", processor_dir=Path(__file__).parent / "fixtures" / "qwen2_5_vl")
+    for rows in (factory, trl):
+        packs = hf_packing.pack_dataset(Dataset.from_list(rows), processor, max_length=512, length_index=False)
+        samples = [s for pack in packs for s in pack]
+        pre = Preprocessor(processor)
+        assert len(samples) == 3
+        for sample in samples:
+            assert torch.equal(sample["labels"], pre.process(rows[sample["index"]])["labels"])
+        args = sgd_training_args(tmp_path, max_steps=1, per_device_train_batch_size=1, learning_rate=1e-3)
+        collator = hf_packing.VisionCollator(processor, model_config=model.config)
+        trainer = hf_packing.prepare_trainer(
+            Trainer(model=model, args=args, train_dataset=packs, data_collator=collator)
+        )
+        losses = [h["loss"] for h in trainer.train() and trainer.state.log_history if "loss" in h]
+        assert len(losses) == 1 and 0 < losses[0] < 20
