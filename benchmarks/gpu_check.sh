@@ -27,7 +27,7 @@ if [ "$DRY" = 1 ]; then
     BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---smoke --lengths 256 --vision frozen}
 else
     # full 3.75B model: ~2.5 min expected on an H100; --time-budget skips a setting that would end after 190 s
-    BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---lengths 8192 16384 --warmup 1 --steps 3 --time-budget 190}
+    BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---lengths 8192 16384 --warmup 1 --steps 4 --time-budget 190}
 fi
 mkdir -p "$DIR"
 rm -f "$DIR"/env.txt "$DIR"/pytest.log "$DIR"/junit.xml "$DIR"/bench.log "$DIR"/RESULTS.md "$DIR"/summary.txt "$DIR"/*.png
