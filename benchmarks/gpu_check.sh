@@ -97,12 +97,12 @@ if torch.cuda.is_available():
     props = torch.cuda.get_device_properties(0)
     print(f"GPU: {props.name}, {props.total_memory / 2**30:.1f} GiB, sm_{props.major}{props.minor}, "
           f"{props.multi_processor_count} SMs")
-import datasets  # noqa: F401  (from the carried wheels)
 import hf_packing
 from hf_packing import _compat
 print(f"hf_packing from {hf_packing.__file__}; transformers supported: {_compat.check_transformers_version()}")
 print(f"kernels: torch varlen_attn {_compat.torch_varlen_attn() is not None} {sorted(_compat.torch_varlen_params())}; "
       f"flash_attn {_compat.flash_attn_varlen_module() is not None}; fla {_compat.fla_linear_ops() is not None}")
+import datasets  # noqa: E402,F401  (last: from the carried wheels; test modules that import it need it)
 EOF
 
 # 3. GPU tests (each test at most 90 s; modules that fail to import do not stop the others)
