@@ -6,8 +6,9 @@
 #   4. benchmarks/bench_gpu.py on the full Qwen2.5-VL-3B-shaped model, 8k and 16k packs, with a time budget
 #   5. a summary: stage status and seconds, test counts and failures, the bench table and host syncs
 # Each stage has its own timeout and a failed stage does not stop the next; the whole run ends in under 8 minutes
-# (timeouts 30 + 20 + 45 + 140 + 240 s; about 4 minutes expected on an H100). Outputs go to $OUT/gpu/ (gpu_out/ when OUT is unset): env.txt, pytest.log,
-# junit.xml, bench.log, RESULTS.md (the updated benchmarks/RESULTS.md), any png the bench wrote, summary.txt.
+# (timeouts 30 + 20 + 45 + 140 + 240 s; about 4 minutes expected on an H100). Outputs go to $OUT/gpu/ (gpu_out/
+# when OUT is unset): env.txt, pytest.log, junit.xml, bench.log, RESULTS.md (the updated benchmarks/RESULTS.md), any
+# png the bench wrote, summary.txt.
 # Exit status 0 when every stage passed.
 #
 # Run: `make gpu` or `bash benchmarks/gpu_check.sh` in the repository root (builds no .venv).
@@ -30,7 +31,7 @@ else
     BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---lengths 8192 16384 --warmup 1 --steps 4 --time-budget 190}
 fi
 mkdir -p "$DIR"
-rm -f "$DIR"/env.txt "$DIR"/pytest.log "$DIR"/junit.xml "$DIR"/bench.log "$DIR"/RESULTS.md "$DIR"/summary.txt "$DIR"/*.png
+rm -f "$DIR"/{env.txt,pytest.log,junit.xml,bench.log,RESULTS.md,summary.txt} "$DIR"/*.png
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false MPLBACKEND=Agg
 STAMP=$(mktemp)
 T0=$(date +%s)
