@@ -46,6 +46,8 @@ Recomputation by activation checkpointing is not counted (model FLOPs, not hardw
 matmul, reported as a practical ceiling.
 
 Run on one GPU: ``python benchmarks/bench_gpu.py`` (a few minutes); quick: ``--layers 4 --vision-layers 4``.
+``--time-budget S`` skips a setting predicted to end after S seconds (marked in the table), so a short lease
+still writes RESULTS.md; `benchmarks/gpu_check.sh` (``make gpu``) runs it with the GPU tests in one command.
 Sequence parallelism: ``torchrun --nproc_per_node 4 benchmarks/bench_gpu.py --sp 4 --lengths 32768 65536`` compares
 rmpad at SP = 1 (each GPU alone on the pack; OOM is reported, not fatal) with SP = 4 on the same packs (tokens/s
 per pack and per GPU, peak memory per GPU, the all-to-all share of the step); written to its own section.
@@ -367,7 +369,8 @@ def run_setting(
     cuda = device.type == "cuda"
     model.model.visual.requires_grad_(vision_trainable)
     results = {
-        name: {"times": [], "peak": [], "comm": [], "loss": None, "error": None, "syncs": None} for name, *_ in arms
+        name: {"times": [], "peak": [], "comm": [], "loss": None, "error": None, "syncs": None, "origins": []}
+        for name, *_ in arms
     }
     states = {}  # per SP size, the state of its first apply: its mesh and timer outlive the per-step reverts
     for i in range(warmup + steps):
@@ -436,7 +439,8 @@ def run_setting(
         finally:
             if backend:
                 revert_rmpad("qwen2_5_vl")
-        print(f"[gpu] {name}: {res['syncs']} host syncs per step; top origins {origins.most_common(6)}", flush=True)
+        res["origins"] = origins.most_common(6)
+        print(f"[gpu] {name}: {res['syncs']} host syncs per step; top origins {res['origins']}", flush=True)
     model.set_attn_implementation("sdpa")
     measured = batches["padded"][warmup:]
     for name, *_ in arms:
@@ -465,6 +469,15 @@ def run_setting(
     return results
 
 
+def skip_for_budget(budget: float | None, elapsed: float, last: tuple[int, float] | None, length: int) -> bool:
+    """Whether a setting at ``length`` tokens would end past ``budget`` seconds: its time is predicted from the last
+    setting's, ``(length, seconds)``, scaled by (length ratio)^1.25 (attention grows faster than linear). The first
+    setting always runs."""
+    if budget is None or last is None:
+        return False
+    return elapsed + last[1] * (length / last[0]) ** 1.25 > budget
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
@@ -479,6 +492,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s for MFU")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; checks the script, writes nothing")
     parser.add_argument("--no-write", action="store_true", help="print instead of writing RESULTS.md")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds: a (pack size, vision) setting that would end past this (predicted from the previous one) is "
+        "skipped and marked in the table, so a short GPU lease still writes RESULTS.md",
+    )
     parser.add_argument(
         "--sp",
         type=int,
@@ -528,8 +548,15 @@ def main(argv: list[str] | None = None) -> None:
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke)"
     visions = ["frozen", "trainable"] if args.vision == "both" else [args.vision]
 
-    rows = []
+    rows, origins = [], {}  # origins: arm -> (setting, top sync origins) of the first setting that measured it
+    last = None  # (pack size, seconds) of the last setting run, for --time-budget
     for length in args.lengths:
+        if skip_for_budget(args.time_budget, time.time() - t_start, last, length):
+            rows += [
+                [str(length), vision, f"skipped: --time-budget {args.time_budget:.0f} s"] + [""] * 8
+                for vision in visions
+            ]
+            continue
         packs = make_packs(config, length, args.warmup + args.steps)
         cpu_batches = collate(config, packs)
         batches = {k: [to_device(b, device, dtype) for b in v] for k, v in cpu_batches.items()}
@@ -538,6 +565,10 @@ def main(argv: list[str] | None = None) -> None:
             int(b["attention_mask"].sum()) / b["attention_mask"].numel() for b in cpu_batches["padded"]
         )
         for vision in visions:
+            if skip_for_budget(args.time_budget, time.time() - t_start, last, length):
+                rows.append([str(length), vision, f"skipped: --time-budget {args.time_budget:.0f} s"] + [""] * 8)
+                continue
+            t_setting = time.time()
             res = run_setting(
                 model,
                 optimizer,
@@ -550,12 +581,14 @@ def main(argv: list[str] | None = None) -> None:
                 vision_trainable=vision == "trainable",
                 device=device,
             )
+            last = (length, time.time() - t_setting)
             ref = res[arms[0][0]]["loss"]
             for name, *_, sp in arms:
                 r = res[name]
                 if r["error"] or "median_s" not in r:
                     rows.append([str(length), vision, name, r["error"] or "no measurement", "", "", "", "", "", "", ""])
                     continue
+                origins.setdefault(name, (f"{length}/{vision}", r["origins"]))
                 r["tflops"] /= sp  # per GPU: an SP group of `sp` GPUs trains one pack
                 mfu = r["tflops"] / args.peak_tflops
                 rel = abs(r["loss"] - ref) / abs(ref) if ref else float("nan")
@@ -614,6 +647,10 @@ def main(argv: list[str] | None = None) -> None:
         ],
         rows,
     )
+    sync_origins = "\n".join(
+        f"- {name} ({where}): " + (", ".join(f"`{o}` {n}" for o, n in top) or "none")
+        for name, (where, top) in origins.items()
+    )
     body = f"""## GPU training step (`bench_gpu.py`)
 
 - Date: {C.today()}; took {time.time() - t_start:.0f} s
@@ -625,6 +662,10 @@ def main(argv: list[str] | None = None) -> None:
 - bf16 8192³ matmul ceiling measured in this run: **{ceiling:.0f} TFLOP/s**. MFU formula in the script docstring (6·N·T + 6·L·d·Σlen² per document for text; vision likewise, 2·N instead of 6·N when frozen).
 
 {table}
+
+Host syncs by origin (`file:line`: count in one step; first setting of each arm):
+
+{sync_origins}
 """
     if args.sp > 1:  # its own section: the single-GPU arms' results stay
         body = body.replace("rel. diff vs padded", "rel. diff vs SP=1")

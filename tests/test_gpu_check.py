@@ -1,0 +1,73 @@
+"""benchmarks/gpu_check.sh (``make gpu``): every GPU check in one command for a short lease. On CPU: the script
+parses, the make targets exist, the carried wheels are pinned and allowed by pyproject, a failing stage does not stop
+the next ones, and (slow) the whole dry run writes its outputs and summary."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+STAGES = ("env", "tests", "bench")
+
+
+def run_check(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """The script in dry mode with outputs under ``tmp_path``; ``env`` adds or replaces variables."""
+    proc = subprocess.run(
+        ["bash", str(SCRIPT)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OUT": str(tmp_path), "GPU_CHECK_DRY": "1", "PYTHON": sys.executable, **env},
+    )
+    return proc, tmp_path / "gpu"
+
+
+def test_the_script_parses():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_targets_run_the_script_and_download_pinned_wheels_pyproject_allows():
+    gpu = subprocess.run(["make", "-n", "gpu"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "bash benchmarks/gpu_check.sh" in gpu and ".venv" not in gpu  # no network there: no venv build
+    wheels = subprocess.run(["make", "-n", "gpu-wheels"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "pip download" in wheels and "--python-version 3.12" in wheels and "-d .whl" in wheels
+    pins = dict(
+        p.split("==") for p in re.search(r"^GPU_WHEELS := (.*)$", (ROOT / "Makefile").read_text(), re.M)[1].split()
+    )
+    assert {"datasets", "dill", "multiprocess"} <= set(pins)
+    declared = re.findall(r'"(datasets[^"]*)"', (ROOT / "pyproject.toml").read_text())
+    assert declared and Requirement(declared[0]).specifier.contains(pins["datasets"])
+
+
+def test_a_failing_stage_does_not_stop_the_next_and_the_summary_is_printed_last(tmp_path):
+    proc, out = run_check(tmp_path, PYTHON=str(tmp_path / "no-python"))
+    assert proc.returncode == 1
+    summary = (out / "summary.txt").read_text()
+    assert proc.stdout.rstrip().endswith(summary.rstrip().splitlines()[-1])
+    for stage in STAGES:
+        assert re.search(rf"^{stage} +FAIL \(rc 127\)", summary, re.M), summary
+    assert "tests: no junit xml" in summary
+
+
+@pytest.mark.slow  # 12-26 s on 2 loaded cores: torch + transformers imported three times
+def test_dry_run_writes_logs_junit_and_the_bench_table(tmp_path):
+    proc, out = run_check(tmp_path, GPU_CHECK_TESTS="tests/test_gpu.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == {"env.txt", "pytest.log", "junit.xml", "bench.log", "summary.txt"}
+    summary = (out / "summary.txt").read_text()
+    assert re.search(r"^tests: 0 passed, 0 failed, 0 errors, \d+ skipped$", summary, re.M), summary
+    assert "| 256 | frozen | rmpad+reference |" in summary and "host syncs per step" in summary
+    for stage in STAGES:
+        assert re.search(rf"^{stage} +ok ", summary, re.M), summary
+    assert "transformers supported:" in (out / "env.txt").read_text()
