@@ -64,6 +64,7 @@ from .data import REASONS, Preprocessor
 from .formats import source_formats
 from .length_index import with_length_index
 from .pack_stats import PADDED_BATCH, PackStats
+from .planner import CLOSE_REASONS
 from .producer import produce
 from .replica import Replica, preprocessors
 from .source_ids import SourceTagger
@@ -72,7 +73,8 @@ from .sources import make_source
 __all__ = ["PackStats", "PackedDataset", "PackingConfig", "pack_dataset"]
 logger = logging.getLogger("hf_packing")
 
-_STATE_VERSION = 4  # 3: scheduled steps and cost weights; 4: video skip reasons and counters in the PackStats row
+_STATE_VERSION = 5  # 3: scheduled steps and cost weights; 4: video skip reasons and counters in the PackStats row;
+# 5: a mix without weights reads every row (stopping_strategy=None), closed_by in the PackStats row
 _MAX_SLOTS = 65  # rows of the shared stats table: the main process + up to 64 DataLoader workers
 
 _PLAN_KEYS = (
@@ -324,8 +326,10 @@ class PackedDataset(torch.utils.data.IterableDataset):
             tokens) yielded; `skipped` (reason → count, `overlong` included),
             split into `skipped_while_planning` (the same on every rank: count it once) and
             `skipped_while_processing` (this rank's pixel-time failures: sum over ranks);
-            `rows_read`, `planned_packs` (all ranks), `leftover_packs` / `leftover_samples` (the last incomplete
-            group of `world_size` packs, yielded by no rank); `complete`; `per_source` (`{name: {rows, samples}}`).
+            `rows_read`, `planned_packs` (all ranks) and `closed_by` (why they closed: the budget they reached,
+            `tokens`, `images` or `patches`, else `open_packs` or `end`, see `hf_packing.planner.CLOSE_REASONS`),
+            `leftover_packs` / `leftover_samples` (the last incomplete group of `world_size` packs, yielded by no
+            rank); `complete`; `per_source` (`{name: {rows, samples}}`).
         """
         table = self._shared.numpy().copy()
         used = table[table[:, 0] > 0]
@@ -359,6 +363,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
             "skipped_while_processing": by_reason(stats.processing_skips),
             "rows_read": sum(stats.rows.values()),
             "planned_packs": stats.planned_packs,
+            "closed_by": {reason: stats.closed_by[reason] for reason in CLOSE_REASONS if stats.closed_by[reason]},
             "leftover_packs": stats.leftover_packs,
             "leftover_samples": stats.leftover_samples,
             "complete": bool(stats.complete),
@@ -367,7 +372,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
         if log:
             logger.info(
                 "pack_dataset rank %s: %d packs, %d samples, fill %.4f (padded batches of %d: %.4f), %.1f "
-                "samples/s, %.2f images/pack, %d videos (%d tokens), skipped %s, %d packs left over",
+                "samples/s, %.2f images/pack, %d videos (%d tokens), skipped %s, packs closed by %s, %d packs left "
+                "over",
                 self.rank,
                 packs,
                 samples,
@@ -379,6 +385,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 out["videos"],
                 out["video_tokens"],
                 out["skipped"] or "none",
+                out["closed_by"] or "none",
                 out["leftover_packs"],
             )
         return out
