@@ -31,7 +31,9 @@ How it works, without any collective (1.-3. and 5. are a [`~hf_packing.replica.R
    length against the planned one.
 4. **Producer thread** ([`~hf_packing.producer`]). Reading, planning and pixel work run in a background thread
    feeding a queue of `prefetch` packs; its exceptions re-raise in the consumer; it stops when the iterator is closed
-   or garbage-collected. A bad row is skipped and counted ([`PackStats`]), never fatal (unless `on_error="raise"`).
+   or garbage-collected. A bad row (a `SampleError`) is skipped and counted ([`PackStats`]), never fatal (unless
+   `on_error="raise"`) until its source has skipped more than `max_skipped_fraction` of its rows; any other exception
+   is not a bad row and ends the pass.
 5. **Resume.** `state_dict()` is the state after the last pack *yielded*: the planner's open packs, the packs
    planned but not yet assigned, the steps scheduled but not yet yielded, the counters, and the source position
    (`datasets` state_dict or a row number) of the oldest row still held plus the row where planning continues.
@@ -74,7 +76,7 @@ __all__ = ["PackStats", "PackedDataset", "PackingConfig", "pack_dataset"]
 logger = logging.getLogger("hf_packing")
 
 _STATE_VERSION = 5  # 3: scheduled steps and cost weights; 4: video skip reasons and counters in the PackStats row;
-# 5: a mix without weights reads every row (stopping_strategy=None), closed_by in the PackStats row
+# 5: a mix without weights reads every row (stopping_strategy=None); closed_by, no unexpected_error in PackStats
 _MAX_SLOTS = 65  # rows of the shared stats table: the main process + up to 64 DataLoader workers
 
 _PLAN_KEYS = (
@@ -431,8 +433,9 @@ def pack_dataset(
 
     Args:
         ds (`datasets.Dataset`, `datasets.IterableDataset`, or a `dict` of them): HF-messages or LLaVA rows (see
-            docs/row_formats.md). A dict is mixed with `datasets.interleave_datasets`, counting rows and samples
-            per source; each source keeps its own format. Rows are not shuffled here: shuffle `ds` first.
+            docs/row_formats.md). A dict is mixed with `datasets.interleave_datasets` (without `weights` every row of
+            every source once, alternating; with them until `stopping_strategy`), counting rows and samples per
+            source; each source keeps its own format. Rows are not shuffled here: shuffle `ds` first.
         processor: the model's processor (Qwen2-VL, Qwen2.5-VL and Qwen3-VL families).
         config ([`~hf_packing.config.PackingConfig`], *optional*): the settings (each documented, with its default, in
             `PackingConfig`); its defaults when not given.
@@ -456,7 +459,9 @@ def pack_dataset(
         `stats()`, `count_packs()`, and `len()` once counted. Each sample also carries `index`, its position in the
         (mixed) input stream, and, from a mix or with `source_column`, `source_id` (into `source_names`). A pass in
         which a source that had rows kept none of them, or no rank got a pack, ends with
-        [`~hf_packing.pack_stats.NoSamplesError`] naming the source and its top skip reasons.
+        [`~hf_packing.pack_stats.NoSamplesError`] naming the source and its top skip reasons; a source that skips
+        more than `max_skipped_fraction` of its rows ends it early with
+        [`~hf_packing.pack_stats.TooManySkipsError`] (a `NoSamplesError`), with a hint per reason.
 
     Example:
 

@@ -4,10 +4,12 @@ their count logged; a mix without weights reads every row of every source once, 
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
-from conftest import image, load_processor
+from conftest import image, load_processor, torchrun
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
@@ -140,3 +142,16 @@ def test_closed_by_counts_every_planned_pack(processor, tmp_path):
     stats = train.stats(log=False)
     assert stats["closed_by"] == {"images": 6, "end": 1} and stats["planned_packs"] == 7  # the last: 1 image
     assert stats["fill"] < 0.1
+
+
+@pytest.mark.multiproc
+def test_two_processes_stop_at_the_same_row(tmp_path):
+    """torchrun --nproc_per_node 2 (gloo, 2 DataLoader workers each, an all_reduce per batch): both ranks take the same
+    steps, then raise at the same row; the run ends with an error instead of hanging in a collective."""
+    proc = torchrun(Path(__file__).parent / "multiproc_skips.py", str(tmp_path / "out"), timeout=180)
+    assert proc is not None, "the two ranks hung"
+    assert proc.returncode != 0 and "TooManySkipsError" in proc.stderr, proc.stderr[-3000:]
+    results = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results[0]["steps"] == results[1]["steps"] > 0
+    for result in results:
+        assert "skipped 180 of the 200 rows read so far" in result["error"] and "media_root=None" in result["error"]
