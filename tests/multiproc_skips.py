@@ -36,7 +36,7 @@ def main(out: Path) -> None:
             "image": [] if i % 10 == 0 else [f"coco/{i}.jpg"],
             "conversations": [
                 {"from": "human", "value": ("" if i % 10 == 0 else "<image>\n") + f"Question {i}?"},
-                {"from": "gpt", "value": "word " * (5 + i % 40)},
+                {"from": "gpt", "value": "word " * (5 + i % 20)},  # 3 tokens a word: all fit max_length
             ],
         }
         for i in range(1000)

@@ -145,7 +145,8 @@ def test_the_docs_have_command_lines_of_every_kind():
 
 @pytest.mark.parametrize(("page", "line"), LINES, ids=[f"{page}: {line[:70]}" for page, line in LINES])
 def test_doc_command_line_works(train, tmp_path, page, line):
-    args = [PLACEHOLDERS.get(a, a) for a in shlex.split(line)]
+    raw = shlex.split(line)
+    args = [PLACEHOLDERS.get(a, a) for a in raw]
     head = args[0]
     if head == "make":
         assert run(["make", "-n", *args[1:]], ROOT).returncode == 0
@@ -165,7 +166,7 @@ def test_doc_command_line_works(train, tmp_path, page, line):
     elif head == "hf-packing" and args[1:2] == ["stats"] and len(args) > 2:
         turns = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
         (tmp_path / "d.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
-        args = [{"DATA": "d.jsonl", "P": str(FIXTURES / "qwen2_vl"), "2": "4096"}.get(a, a) for a in args]  # N
+        args = [{"DATA": "d.jsonl", "P": str(FIXTURES / "qwen2_vl"), "N": "4096"}.get(a, a) for a in raw]
         done = run([sys.executable, "-m", "hf_packing.cli", *args[1:]], tmp_path)
         assert done.returncode == 0 and "packs closed by" in done.stdout, done.stderr[-3000:]
     elif head == "hf-packing":
