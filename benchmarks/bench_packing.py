@@ -159,6 +159,57 @@ def hires_mix(n: int, seed: int = 2) -> dict[str, np.ndarray]:
     return {"lengths": text + img + 2 * n_img, "images": n_img, "text": text, "vision_sq": (4 * img) ** 2}
 
 
+def small_mix(n: int, seed: int = 3) -> dict[str, np.ndarray]:
+    """Small images (icons, charts, thumbnails, UI crops): 1 image (2 for 20% of samples) of U(56, 448) px a side,
+    i.e. 4-256 tokens each, plus short text lognormal median 60 tokens, sigma 0.6."""
+    rng = np.random.default_rng(seed)
+    n_img = np.where(rng.random(n) < 0.2, 2, 1)
+    img = np.zeros(n, dtype=np.int64)
+    for k in range(2):
+        gh, gw = smart_resize_tokens(rng.uniform(56, 448, n), rng.uniform(56, 448, n))
+        img += gh * gw * (n_img > k)
+    text = np.maximum(np.round(np.exp(rng.normal(math.log(60), 0.6, n))).astype(np.int64), 4)
+    return {"lengths": text + img + 2 * n_img, "images": n_img, "text": text}
+
+
+def max_images_section(n: int, max_lengths: list[int], buffer: int) -> str:
+    """Fill and the budget that closed the packs (the planner's `closed_by`) for `max_images` in 16, 32, 64 and
+    `None`, with `PackingConfig`'s default `max_vision_patches` (65,536), on the LLaVA-like, document and small-image
+    mixes: what `PackingConfig.max_images`' default is chosen from (docs/packer.md)."""
+    from hf_packing.config import PackingConfig
+    from hf_packing.pack_stats import pack_stats
+    from hf_packing.planner import StreamingPlanner
+
+    mixes = {"llava": llava_mix(n), "docs": docs_mix(n // 5), "small images": small_mix(n)}
+    patches_budget = PackingConfig.max_vision_patches
+    rows = []
+    for mix_name, mix in mixes.items():
+        for ml in max_lengths:
+            keep = mix["lengths"] <= ml
+            lengths, images, patches = mix["lengths"][keep], mix["images"][keep], vision_patches(mix)[keep]
+            for max_images in (16, 32, 64, None):
+                planner = StreamingPlanner(
+                    max_length=ml, buffer_size=buffer, max_images=max_images, max_vision_patches=patches_budget
+                )
+                packs = planner.extend(lengths, images=images, patches=patches) + planner.flush()
+                stats = pack_stats(packs, lengths, ml, images=images)
+                closed = planner.closed_by
+                shares = ", ".join(f"{k} {v / len(packs):.0%}" for k, v in closed.items() if v)
+                rows.append(
+                    [
+                        mix_name,
+                        str(ml),
+                        str(max_images),
+                        f"{stats['fill']:.4f}",
+                        str(stats["num_packs"]),
+                        f"{stats['mean_images_per_pack']:.1f} / {stats['max_images_per_pack']}",
+                        shares,
+                    ]
+                )
+    header = ["mix", "max_length", "max_images", "fill", "packs", "images/pack mean / max", "packs closed by"]
+    return C.md_table(header, rows)
+
+
 def describe(lengths: np.ndarray) -> str:
     q = np.percentile(lengths, [1, 50, 99])
     return f"median {q[1]:.0f}, p1 {q[0]:.0f}, p99 {q[2]:.0f}, mean {lengths.mean():.0f}, max {lengths.max()}"
@@ -801,6 +852,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--collator-json", help=argparse.SUPPRESS)  # internal: child process of the collator table
     parser.add_argument("--e2e-json", help=argparse.SUPPRESS)  # internal: child process of the end-to-end table
     parser.add_argument("--quick", action="store_true", help="small sizes, 1 repeat; does not write RESULTS.md")
+    parser.add_argument(
+        "--max-images", action="store_true", help="only the max_images table (its own RESULTS.md section, ~1 min)"
+    )
     parser.add_argument("--no-write", action="store_true", help="print the section instead of writing RESULTS.md")
     args = parser.parse_args(argv)
     if args.quick:
@@ -821,6 +875,24 @@ def main(argv: list[str] | None = None) -> None:
         import json
 
         Path(args.e2e_json).write_text(json.dumps(e2e_run(args.e2e_samples)))
+        return
+    if args.max_images:
+        t_start = time.time()
+        table = max_images_section(args.n_llava, args.max_lengths, args.buffer_size)
+        body = f"""## Packing: the max_images default (`bench_packing.py --max-images`)
+
+- Date: {C.today()}; took {time.time() - t_start:.0f} s
+- Versions: {C.versions()}
+- Command: `{C.command_line()}`
+- Streaming BFD (buffer {args.buffer_size}), `max_vision_patches` at PackingConfig's default (65,536), on the
+  LLaVA-like mix ({args.n_llava:,} samples), the document mix ({args.n_llava // 5:,}) and the small-image mix
+  ({args.n_llava:,}: 1-2 images of 56-448 px a side, 4-256 tokens each, text median 60 tokens); samples over
+  max_length left out. "packs closed by": the budget each pack reached (the planner's `closed_by`), `end`: the
+  input ended with room left.
+
+{table}
+"""
+        print(body) if args.no_write else print(f"wrote {C.write_section('Packing: the max_images default', body)}")
         return
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)

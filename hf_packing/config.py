@@ -5,8 +5,9 @@
 
 Per-source settings (`media_root`, `video_root`, `fps`, `videos_kwargs`, `row_format`, `chat_template_kwargs`) and
 `weights` take one value, a list (one per source of a `{name: dataset}` mix, in its order) or a `{source name: value}`
-dict. From YAML or Python they are given as such; on a command line a flag is one string, so a dict or list is written
-as JSON (``--media_root '{"coco": "/data/coco", "clips": "/data/clips"}'``) and decoded by `__post_init__`.
+dict. From YAML or Python they are given as such; on a command line a list is several values or JSON (``--weights 0.7
+0.3``, ``--weights '[0.7, 0.3]'``, see [`per_source_flags`]) and a dict is JSON (``--media_root '{"coco":
+"/data/coco", "clips": "/data/clips"}'``), decoded by `__post_init__`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Literal
 from .images import MAX_IMAGE_PIXELS
 from .planner import DEFAULT_STRATEGY, STRATEGIES
 
-__all__ = ["PackingConfig"]
+__all__ = ["PackingConfig", "per_source_flags"]
 
 # HfArgumentParser gives a union flag the type of the union's second member, so `str` stands second in these: the flag
 # is then a string (a value or JSON), decoded in __post_init__.
@@ -33,7 +34,9 @@ DictSetting = dict | str | list | None
 #: fields whose command-line string may be JSON (a dict or a list)
 JSON_FIELDS = ("weights", "media_root", "video_root", "fps", "videos_kwargs", "row_format", "chat_template_kwargs")
 #: fields that must be >= 1
-POSITIVE_FIELDS = ("buffer_size", "prefetch", "batch_size", "balance_window")
+POSITIVE_FIELDS = ("buffer_size", "prefetch", "batch_size", "balance_window", "skip_check_rows")
+#: how a mix ends: `None` (every row once without weights, "first_exhausted" with them) or datasets' own names
+STOPPING_STRATEGIES = (None, "first_exhausted", "all_exhausted", "all_exhausted_without_replacement")
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -62,7 +65,14 @@ class PackingConfig:
         default=DEFAULT_STRATEGY,
         metadata=_help(f"bin packing over the planner window: one of {STRATEGIES} (see hf_packing/planner.py)"),
     )
-    max_images: int | None = field(default=16, metadata=_help("images per pack; a sample with more is skipped"))
+    max_images: int | None = field(
+        default=None,
+        metadata=_help(
+            """images per pack (a sample with more is skipped); None: no limit, max_vision_patches bounds the vision
+            work. 16 closed 86% of 16k-token packs of a LLaVA-like mix by images (fill 0.66 instead of 0.9995) and
+            every pack of small-image data (fill 0.28 at 8k): benchmarks/RESULTS.md, docs/packer.md"""
+        ),
+    )
     max_vision_patches: int | None = field(
         default=65536, metadata=_help("Σ t·h·w vision patches per pack (bounds the vision tower's memory)")
     )
@@ -158,11 +168,13 @@ class PackingConfig:
             num_workers"""
         ),
     )
-    stopping_strategy: str = field(
-        default="first_exhausted",
+    stopping_strategy: str | None = field(
+        default=None,
         metadata=_help(
-            """when a mix ends (datasets.interleave_datasets): "first_exhausted", "all_exhausted" (oversamples) or
-            "all_exhausted_without_replacement" (every row once)"""
+            """when a {name: dataset} mix ends (datasets.interleave_datasets). Default: without weights every row of
+            every source once per epoch, sources alternating row by row ("all_exhausted_without_replacement"); with
+            weights "first_exhausted" (the weights hold exactly, the other sources' remaining rows are not read).
+            "all_exhausted" oversamples the shorter sources until the longest is used up"""
         ),
     )
     max_image_pixels: int = field(
@@ -213,14 +225,38 @@ class PackingConfig:
         ),
     )
 
+    # ---- bad rows: how many a source may skip before the run stops
+    max_skipped_fraction: float = field(
+        default=0.1,
+        metadata=_help(
+            """stop the run when a source skips more than this fraction of its rows while planning (missing files,
+            overlong, bad rows), naming its top reasons with a hint each: checked from the skip_check_rows-th row of
+            the source on, and at the end of a pass; 1.0 never stops (a source that keeps no row still does)"""
+        ),
+    )
+    skip_check_rows: int = field(
+        default=200,
+        metadata=_help("rows of a source read before max_skipped_fraction is checked (then at every skip of it)"),
+    )
+
     def __post_init__(self) -> None:
         for name in JSON_FIELDS:
             value = getattr(self, name)
+            if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):  # one flag value
+                value = value[0]
+                setattr(self, name, value)
             if isinstance(value, str) and value.lstrip().startswith(("{", "[")):
                 try:
                     setattr(self, name, json.loads(value))
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{name}={value!r} is not valid JSON ({err}); give a value or JSON") from None
+        for name in ("weights", "fps"):  # several flag values are strings
+            value = getattr(self, name)
+            if isinstance(value, list) and any(isinstance(x, str) for x in value):
+                try:
+                    setattr(self, name, [float(x) if isinstance(x, str) else x for x in value])
+                except ValueError:
+                    raise ValueError(f"{name} must be numbers, got {value!r}") from None
         if isinstance(self.fps, str):
             try:
                 self.fps = float(self.fps)
@@ -233,6 +269,10 @@ class PackingConfig:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.stopping_strategy not in STOPPING_STRATEGIES:
+            raise ValueError(f"stopping_strategy must be one of {STOPPING_STRATEGIES}, got {self.stopping_strategy!r}")
+        if not 0.0 <= float(self.max_skipped_fraction) <= 1.0:
+            raise ValueError(f"max_skipped_fraction must be in [0, 1], got {self.max_skipped_fraction}")
         for name in POSITIVE_FIELDS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -257,6 +297,16 @@ class PackingConfig:
                 f"{', '.join(self.names())}"
             )
         return dataclasses.replace(self, **overrides)
+
+
+def per_source_flags(parser: Any) -> Any:
+    """Lets the per-source flags of `parser` (an `argparse` / `HfArgumentParser` holding `PackingConfig`) take several
+    values: ``--weights 0.7 0.3`` and ``--media_root /a /b`` give lists, as JSON (``--weights '[0.7, 0.3]'``) does;
+    one value stays one value. Returns `parser`."""
+    for action in parser._actions:
+        if action.dest in JSON_FIELDS and action.option_strings:
+            action.nargs = "+"
+    return parser
 
 
 @functools.cache

@@ -207,12 +207,8 @@ class Preprocessor:
         the sample is processed (`"length_mismatch"`)."""
         try:
             meta = self.estimate(row, index)
-        except OverlongError:
-            raise
-        except Exception as err:  # noqa: BLE001 - counted like planning counts it (unexpected_error)
-            known = isinstance(err, SampleError)
-            reason, message = (err.reason, str(err)) if known else ("unexpected_error", f"{type(err).__name__}: {err}")
-            return dict(zip(META_COLUMNS, (-1, 0, 0, 0, 0, 0, reason, message, ""), strict=True))
+        except SampleError as err:  # a bad row, counted as planning counts it; any other error ends the build
+            return dict(zip(META_COLUMNS, (-1, 0, 0, 0, 0, 0, err.reason, str(err), ""), strict=True))
         counts = (meta.num_tokens, meta.num_images, meta.vision_patches, meta.vision_sq, meta.num_videos)
         return dict(zip(META_COLUMNS, (*counts, meta.video_tokens, "", "", ",".join(meta.features)), strict=True))
 

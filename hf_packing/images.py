@@ -25,7 +25,7 @@ REASONS: tuple[str, ...] = (  # why a row is skipped: its conversation, its medi
     *("path_outside_root", "empty_image", "corrupt_image", "image_too_large", "bad_aspect_ratio", "unsupported_video"),
     *("empty_video", "corrupt_video", "video_too_large"),
     *("overlong", "overlong_vision", "length_mismatch", "too_many_images", "too_many_vision_patches"),
-    *("empty_pack", "unexpected_error"),
+    "empty_pack",
 )
 MAX_IMAGE_PIXELS = 89_478_485  # PIL's decompression-bomb limit
 _ORIENTATION = 0x0112  # the EXIF tag

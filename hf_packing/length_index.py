@@ -35,6 +35,8 @@ from .sources import json_decoder
 __all__ = ["build_length_index", "index_key", "with_length_index"]
 
 _INDEX_VERSION = 2  # bump when the columns or the estimate change meaning: older files are then never read
+# 2: no "unexpected_error" rows (an exception that is not a SampleError ends the build); rows reach the chat template
+# whole (lengths change); the hfp_features column
 
 
 def processor_signature(processor: Any) -> dict[str, Any]:

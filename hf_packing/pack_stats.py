@@ -1,9 +1,11 @@
-"""Statistics of a plan: fill, pack sizes, images per pack, and the padded-batch baseline it is compared with; and
-[`PackStats`], the counters of one pass of `pack_dataset`."""
+"""Statistics of a plan: fill, pack sizes, images per pack, and the padded-batch baseline it is compared with;
+[`PackStats`], the counters of one pass of `pack_dataset`; and the checks that stop a pass whose sources are mostly
+skipped ([`check_skips`], [`check_yield`])."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -11,9 +13,19 @@ from typing import Any
 import numpy as np
 
 from .data import REASONS, SkipCounter
-from .planner import IntArray, check_int
+from .planner import CLOSE_REASONS, IntArray, check_int
 
-__all__ = ["PADDED_BATCH", "NoSamplesError", "PackStats", "check_yield", "pack_stats", "padded_fill_at_batch"]
+__all__ = [
+    "PADDED_BATCH",
+    "SKIP_HINTS",
+    "NoSamplesError",
+    "PackStats",
+    "TooManySkipsError",
+    "check_skips",
+    "check_yield",
+    "pack_stats",
+    "padded_fill_at_batch",
+]
 
 #: the baseline every fill is compared with: the same samples in padded batches of 8, in input order
 PADDED_BATCH = 8
@@ -119,6 +131,7 @@ class PackStats:
     videos: int = 0
     video_tokens: int = 0  # <|video_pad|> tokens of the yielded samples
     processing_skips: SkipCounter = dataclasses.field(default_factory=SkipCounter)  # reason -> samples
+    closed_by: Counter = dataclasses.field(default_factory=Counter)  # why packs closed (all ranks): CLOSE_REASONS
 
     _YIELDED = ("packs", "samples", "tokens", "images", "videos", "video_tokens", "processing_skips")
 
@@ -136,7 +149,11 @@ class PackStats:
 
     def _layout(self) -> list[tuple[str, Sequence[Any] | None]]:
         """Each counter and, for a `Counter`, its keys in a fixed order (`None` for an `int`)."""
-        keys = {"planning_skips": [(s, r) for s in self.sources for r in REASONS], "processing_skips": REASONS}
+        keys = {
+            "planning_skips": [(s, r) for s in self.sources for r in REASONS],
+            "processing_skips": REASONS,
+            "closed_by": CLOSE_REASONS,
+        }
         return [
             (f.name, keys.get(f.name, self.sources) if isinstance(getattr(self, f.name), Counter) else None)
             for f in dataclasses.fields(self)[1:]
@@ -172,10 +189,83 @@ class NoSamplesError(ValueError):
     """A source (or the whole stream) gave no sample over a full pass: training would silently train nothing."""
 
 
+class TooManySkipsError(NoSamplesError):
+    """A source skipped more than `max_skipped_fraction` of its rows: training would run on what is left of it."""
+
+
+#: what to change, per skip reason, in a [`TooManySkipsError`]; `{...}` are the source's settings and `longest`
+SKIP_HINTS = {
+    "missing_file": "relative paths resolve under media_root={media_root!r}: set media_root (one, a list or "
+    "{{source: root}}) to the directory the rows' paths start from",
+    "path_outside_root": "every file must lie under media_root={media_root!r} (no `..`, absolute paths or symlinks "
+    "out): point media_root at their common root",
+    "overlong": "the longest has {longest} tokens > max_length={max_length}: raise max_length or set "
+    "on_overlong='truncate_text'",
+    "overlong_vision": "its vision tokens do not fit max_length={max_length} (truncate_text never cuts an image): "
+    "raise max_length",
+    "too_many_images": "max_images=None leaves the packs' vision work to max_vision_patches",
+    "too_many_vision_patches": "or lower the processor's max_pixels",
+    "no_assistant_turn": "set train_on='all' to train rows without an answer, or check row_format={row_format!r}",
+    "placeholder_mismatch": "each image/video needs exactly one tag in the text (docs/row_formats.md); check "
+    "row_format={row_format!r}",
+    "empty_conversation": "check row_format={row_format!r} against the rows' columns (docs/row_formats.md)",
+    "bad_row": "check row_format={row_format!r} against the rows' columns (docs/row_formats.md)",
+}
+_TOKENS = re.compile(r"^([\d,]+) tokens > max_length")
+
+
+def overlong_tokens(message: str) -> int | None:
+    """The token count of an `overlong` skip's message ("9,312 tokens > max_length=8192 ..."), else `None`."""
+    found = _TOKENS.match(message)
+    return int(found.group(1).replace(",", "")) if found else None
+
+
+def check_skips(
+    stats: PackStats,
+    source: str | None,
+    *,
+    max_fraction: float,
+    min_rows: int,
+    examples: dict[tuple[str | None, str], tuple[Any, str]],
+    settings: dict[str, Any],
+    longest: int | None = None,
+) -> None:
+    """Raises [`TooManySkipsError`] when `source` has skipped more than `max_fraction` of the rows read of it while
+    planning, once at least `min_rows` of them were read (0: at the end of a pass). The message names the top three
+    reasons, each with its first row (`examples`: `(source, reason)` -> `(row, message)`) and a hint
+    ([`SKIP_HINTS`], filled with the source's `settings` and the `longest` overlong sample).
+
+    `stats` are the planning counters, the same on every replica, so every rank and worker raises at the same row and
+    none waits in a collective.
+    """
+    rows = stats.rows[source]
+    if not rows or rows < min_rows or max_fraction >= 1.0:
+        return
+    skips = Counter({reason: n for (name, reason), n in stats.planning_skips.items() if name == source and n})
+    skipped = sum(skips.values())
+    if skipped <= max_fraction * rows:
+        return
+    why = []
+    for reason, n in skips.most_common(3):
+        index, message = examples.get((source, reason), (None, ""))
+        first = f"first: row {index}, {message}" if message else ""
+        hint = SKIP_HINTS.get(reason, "see docs/row_formats.md").format(
+            **settings, longest=f"{longest:,}" if longest else "?"
+        )
+        why.append(f"{n} {reason} ({'; '.join(x for x in (first, hint) if x)})")
+    name = "the dataset" if source is None else f"source {source!r}"
+    raise TooManySkipsError(
+        f"{name} skipped {skipped} of the {rows} rows read so far ({skipped / rows:.0%} > max_skipped_fraction="
+        f"{max_fraction:g}): " + "; ".join(why) + ". Fix the data or the settings named, or raise max_skipped_fraction"
+        " (1.0: never stop); stats() counts every skip"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ empty sources
-def check_yield(stats: PackStats, *, groups: int, world: int) -> None:
+def check_yield(stats: PackStats, *, groups: int | None, world: int) -> None:
     """Raises [`NoSamplesError`] after a full planning pass that kept no sample of a source that had rows, or none at
-    all, or planned packs but no complete group of `world` (every rank would train on nothing).
+    all, or planned packs but no complete group of `world` (every rank would train on nothing; not checked with
+    `groups=None`, before the last packs are assigned).
 
     `stats` are the planning counters, the same on every replica, so every rank raises at the same point and none
     waits in a collective.
@@ -193,7 +283,7 @@ def check_yield(stats: PackStats, *, groups: int, world: int) -> None:
             "; ".join(failed or ["no source yielded a sample"]) + ". Check each source's row format, "
             "media_root / video_root and docs/row_formats.md (stats() counts every skip)"
         )
-    if not groups:
+    if groups is not None and not groups:
         packs = stats.planned_packs
         raise NoSamplesError(
             f"{packs} pack{'s' * (packs != 1)} planned, none for any of world_size={world} ranks "

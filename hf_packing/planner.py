@@ -38,11 +38,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Bin", "StreamingPlanner", "plan_packs"]
+__all__ = ["CLOSE_REASONS", "DEFAULT_STRATEGY", "STRATEGIES", "Bin", "StreamingPlanner", "plan_packs"]
 
 STRATEGIES: tuple[str, ...] = ("next_fit", "bfd")
 DEFAULT_STRATEGY = "bfd"  # plan_packs', StreamingPlanner's and PackingConfig's
-_STATE_VERSION = 3
+_STATE_VERSION = 4  # 4: closed_by
+#: why a pack closed: the budget it reached (`tokens`: no sample fits its token room; `images` / `patches`: no media
+#: sample fits), `open_packs` (the fullest close beyond `max_open_bins`) or `end` (the input ended while it still had
+#: room: `flush`). A pack that no sample fitted during a window closes under the budget it is fullest in
+CLOSE_REASONS: tuple[str, ...] = ("tokens", "images", "patches", "open_packs", "end")
 # Open packs are sorted ints `room << _SHIFT | bin_id`: `bisect` on plain ints stays in C, and equal room sorts
 # the oldest pack first.
 _SHIFT = 40
@@ -170,6 +174,7 @@ class StreamingPlanner:
         self._open: dict[int, Bin] = {}  # bin_id -> pack; ids only grow, so dict order is creation order
         self._pending: Columns = ([], [], [], [])
         self._next_id = self._num_seen = self._num_dropped = self._num_windows = self._num_emitted = 0
+        self._closed_by = dict.fromkeys(CLOSE_REASONS, 0)
         self._min_len: int | None = None
         # Fewest images / patches on a sample with any media: a pack with less room takes no media sample.
         self._min_media: tuple[int, int] | None = None
@@ -203,6 +208,7 @@ class StreamingPlanner:
             "min_length_seen": self._min_len,
             "min_media_seen": None if self._min_media is None else list(self._min_media),
             **{f"num_{k}": getattr(self, f"_num_{k}") for k in ("seen", "dropped", "windows", "emitted")},
+            "closed_by": dict(self._closed_by),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -237,6 +243,13 @@ class StreamingPlanner:
         self._min_media = None if state["min_media_seen"] is None else tuple(map(int, state["min_media_seen"]))
         for k in ("seen", "dropped", "windows", "emitted"):
             setattr(self, f"_num_{k}", int(state[f"num_{k}"]))
+        self._closed_by.update({k: int(v) for k, v in state["closed_by"].items()})
+
+    @property
+    def closed_by(self) -> dict[str, int]:
+        """Packs closed so far by reason ([`CLOSE_REASONS`]): which budget closed them (`tokens`, `images`,
+        `patches`), `open_packs` (over `max_open_bins`) or `end` (flushed at the end of the input)."""
+        return dict(self._closed_by)
 
     @property
     def num_dropped(self) -> int:
@@ -357,7 +370,10 @@ class StreamingPlanner:
             packs = self._next_fit(window, final)
         else:
             self._best_fit(window)
-            packs = self._close(list(self._open)) if final else self._close_full(carried, born_of)
+            if final:
+                packs = self._close(list(self._open), {bid: self._closed_at_end(b) for bid, b in self._open.items()})
+            else:
+                packs = self._close_full(carried, born_of)
         self._num_emitted += len(packs)
         return packs
 
@@ -371,6 +387,8 @@ class StreamingPlanner:
             if tok + length > ml or img + im > mi or pat + pa > mp:
                 if b.items:
                     packs.append(b.items)
+                    why = "tokens" if tok + length > ml else "images" if img + im > mi else "patches"
+                    self._closed_by[why] += 1
                 bid, b, tok, img, pat = self._next_id, Bin(), 0, 0, 0
                 self._next_id += 1
             b.items.append(x)
@@ -382,6 +400,7 @@ class StreamingPlanner:
         b.tokens, b.num_images, b.num_patches = tok, img, pat
         if b.items and final:
             packs.append(b.items)
+            self._closed_by[self._closed_at_end(b)] += 1
         elif b.items:
             self._open[bid] = b
         return packs
@@ -431,8 +450,39 @@ class StreamingPlanner:
         for k in keys:
             bins[k & mask].tokens = ml - (k >> shift)
 
-    def _close(self, bids: list[int]) -> list[list[int]]:
+    def _close(self, bids: list[int], why: str | dict[int, str]) -> list[list[int]]:
+        """Closes the packs `bids` (in creation order), counting each under `why` (one reason, or one per pack)."""
+        for bid in bids:
+            self._closed_by[why if isinstance(why, str) else why[bid]] += 1
         return [self._open.pop(bid).items for bid in sorted(bids)]
+
+    def _thresholds(self) -> tuple[int, int, int]:
+        """A pack with at most this much token / image / patch room takes no further sample (-1: any room may)."""
+        ct, mp = self.close_threshold, self._mp
+        tok_thr = ct if self._min_len is None else max(ct, self._min_len - 1)
+        img_thr = pat_thr = -1
+        if self._min_media is not None:
+            img_thr = -1 if self.max_images is None else self._min_media[0] - 1
+            pat_thr = -1 if self.max_vision_patches is None else max(mp // 200, self._min_media[1] - 1)
+        return tok_thr, img_thr, pat_thr
+
+    def _closed_at_end(self, b: Bin) -> str:
+        """Why a pack flushed at the end counts as closed: the budget it had reached (as a window would close it),
+        else `end`."""
+        tok_thr, img_thr, pat_thr = self._thresholds()
+        if self._media and self._mi - b.num_images <= img_thr:
+            return "images"
+        if self._media and self._mp - b.num_patches <= pat_thr:
+            return "patches"
+        return "tokens" if self.max_length - b.tokens <= tok_thr else "end"
+
+    def _binding(self, b: Bin) -> str:
+        """The budget a pack that no sample fits is fullest in (tokens on ties)."""
+        ml, mi, mp = self.max_length, self.max_images, self.max_vision_patches
+        used = [(b.tokens / ml, "tokens")]
+        used += [(b.num_images / mi, "images")] if mi else []
+        used += [(b.num_patches / mp, "patches")] if mp else []
+        return max(used, key=lambda u: u[0])[1]
 
     def _close_full(self, carried: dict[int, int], born_of: dict[int, int]) -> list[list[int]]:
         """Closes the full packs after a BFD window and marks the young ones, which the next window re-plans.
@@ -456,14 +506,10 @@ class StreamingPlanner:
             self._mi,
             self._mp,
         )
-        tok_thr = ct if self._min_len is None else max(ct, self._min_len - 1)
-        img_thr = pat_thr = -1
-        if self._min_media is not None:
-            img_thr = -1 if self.max_images is None else self._min_media[0] - 1
-            pat_thr = -1 if self.max_vision_patches is None else max(mp // 200, self._min_media[1] - 1)
+        tok_thr, img_thr, pat_thr = self._thresholds()
         replan = self.repack_windows > 0 and self.max_open_bins != 0 and self.repack_budget != 0
         too_old = {x for x, born in born_of.items() if born <= w - self.repack_windows}
-        closing: list[int] = []
+        closing: dict[int, str] = {}  # pack -> why it closes
         keep: list[int] = []
         young: list[int] = []
         for bid, b in bins.items():
@@ -480,11 +526,14 @@ class StreamingPlanner:
                 and (not too_old or too_old.isdisjoint(b.items))
             ):
                 if room <= ct:
-                    closing.append(bid)
+                    closing[bid] = "tokens"
                     continue
                 young.append(bid)
             elif room <= tok_thr or stuck or carried.get(bid) == len(b.items):
-                closing.append(bid)
+                if stuck:
+                    closing[bid] = "images" if mi - b.num_images <= img_thr else "patches"
+                else:
+                    closing[bid] = "tokens" if room <= tok_thr else self._binding(b)
                 continue
             keep.append(bid)
 
@@ -495,14 +544,14 @@ class StreamingPlanner:
         if self.max_open_bins is not None and len(keep) > self.max_open_bins:
             keep.sort(key=lambda bid: (-fullness(bid)[0], bid))
             over = set(keep[: len(keep) - self.max_open_bins])
-            closing += over
+            closing.update(dict.fromkeys(over, "open_packs"))
             young = [bid for bid in young if bid not in over]
         if young and self.repack_budget is not None:
             young.sort(key=fullness)  # emptiest first: they gain most from re-planning
             k = bisect_right(list(accumulate(len(bins[bid].items) for bid in young)), self.repack_budget)
-            closing += [bid for bid in young[k:] if ml - bins[bid].tokens <= tok_thr]  # over budget: kept as is
+            closing.update({bid: "tokens" for bid in young[k:] if ml - bins[bid].tokens <= tok_thr})  # over budget
             del young[k:]
-        packs = self._close(closing)
+        packs = self._close(list(closing), closing)
         for bid in young:
             bins[bid].born = min(born_of.get(x, w) for x in bins[bid].items) if born_of else w
         return packs

@@ -3,12 +3,18 @@
 A replica reads every row of the source, plans packs from metadata, schedules closed packs into rank-balanced groups
 and pixel-processes only the packs its rank and worker own (see [`~hf_packing.stream`]'s docstring, 1.-3. and 5.).
 Every replica reads the same rows and makes the same decisions, so replicas agree without communicating; the price is
-that each plans every row (a length index makes that a column read, [`~hf_packing.length_index`]).
+that each plans every row (a length index makes that a column read, [`~hf_packing.length_index`]). That includes
+stopping: a source that skips more than `max_skipped_fraction` of its rows raises on every replica at the same row
+([`~hf_packing.pack_stats.check_skips`]).
+
+A row problem is a [`SampleError`] (a reason of `REASONS`): skipped and counted. Any other exception (a processor or
+library API break, a bug) is not a bad row and ends the pass, on every replica that meets it.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +22,10 @@ import torch
 
 from .balance import WorkCost, schedule
 from .config import PackingConfig
-from .data import OverlongError, Preprocessor, SampleError, SampleMeta
+from .data import Preprocessor, SampleError, SampleMeta
 from .formats import per_source, per_source_dict
 from .loss import IGNORE_INDEX
-from .pack_stats import PackStats, check_yield
+from .pack_stats import PackStats, check_skips, check_yield, overlong_tokens
 from .planner import StreamingPlanner
 from .source_ids import SOURCE_ID, SourceTagger
 from .sources import SOURCE_COLUMN
@@ -95,6 +101,16 @@ class Replica:
         self.source_positions: dict[int, Any] = {0: None}  # row -> source position before it (from the oldest held)
         self.next_row, self.replay_until, self.replay = 0, 0, set()  # rows before replay_until: re-read, not planned
         self.stats = PackStats(names)
+        self.skip_examples: dict[tuple[str | None, str], tuple[int, str]] = {}  # (source, reason) -> its first row
+        self.longest: dict[str | None, int] = {}  # source -> its longest overlong sample
+        self.settings = {
+            n: {
+                "media_root": None if p.images.image_root is None else str(p.images.image_root),
+                "row_format": p.row_format,
+                **{k: getattr(cfg, k) for k in ("max_length", "max_images", "max_vision_patches")},
+            }
+            for n, p in self.preprocessors.items()
+        }
         self.stop = threading.Event()
         if position is not None:
             self._restore(position)
@@ -151,6 +167,10 @@ class Replica:
                 packs = self.planner.add(index, meta.num_tokens, meta.num_images, meta.vision_patches)
                 if packs and not self._assign_groups(packs, put):
                     return
+        # every row is read: the skip checks come before the last packs are yielded (a short run ends on those)
+        check_yield(self.stats, groups=None, world=self.world)
+        for source in self.stats.sources:
+            self._check_skips(source, min_rows=0)
         if not self._assign_groups(self.planner.flush(), put, final=True, spread=self.cfg.leftovers == "spread"):
             return
         self.stats.leftover_packs = len(self.unassigned)
@@ -165,9 +185,7 @@ class Replica:
             self.stats.rows[source] += 1
         try:
             meta = self.preprocessors[source].planned_meta(row, index)
-        except (OverlongError, ImportError):  # a setting or a missing video decoder: no row's fault, never skipped
-            raise
-        except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
+        except SampleError as err:  # a bad row; anything else (a bug, an API break) ends the pass
             if self.cfg.on_error == "raise":
                 raise
             if count:
@@ -192,18 +210,28 @@ class Replica:
             self.stats.kept[source] += 1
         return meta
 
-    def _skip(self, err: Exception, index: int, *, source: str | None = None, planning: bool) -> None:
+    def _skip(self, err: SampleError, index: int, *, source: str | None = None, planning: bool) -> None:
         """Counts a skip and logs the first of each kind: while planning by (source, reason), once per run (every
-        replica plans every row); while processing by reason, on this replica."""
-        known = isinstance(err, SampleError)
-        reason = err.reason if known else "unexpected_error"
-        counter = self.stats.planning_skips if planning else self.stats.processing_skips
-        counter.record(
-            reason,
-            index,
-            str(err) if known else f"{type(err).__name__}: {err}",
-            key=(source, reason) if planning else reason,
-            exc_info=None if known else err,
+        replica plans every row), then checks the source's skip budget; while processing by reason, on this
+        replica."""
+        if not planning:
+            self.stats.processing_skips.record(err.reason, index, str(err))
+            return
+        self.stats.planning_skips.record(err.reason, index, str(err), key=(source, err.reason))
+        self.skip_examples.setdefault((source, err.reason), (index, str(err)))
+        if err.reason == "overlong" and (tokens := overlong_tokens(str(err))) is not None:
+            self.longest[source] = max(self.longest.get(source, 0), tokens)
+        self._check_skips(source, min_rows=self.cfg.skip_check_rows)
+
+    def _check_skips(self, source: str | None, *, min_rows: int) -> None:
+        check_skips(
+            self.stats,
+            source,
+            max_fraction=self.cfg.max_skipped_fraction,
+            min_rows=min_rows,
+            examples=self.skip_examples,
+            settings=self.settings[source],
+            longest=self.longest.get(source),
         )
 
     def _assign_groups(
@@ -219,6 +247,7 @@ class Replica:
         at the end) the last incomplete group goes one pack per rank, in rank order, ranks past its end getting a
         1-token filler: every pack is yielded once and ranks take equal steps."""
         self.stats.planned_packs += len(packs)
+        self.stats.closed_by = Counter(self.planner.closed_by)
         self.unassigned.extend(packs)
         self._prune()
         window = self.world * self.cfg.batch_size * self.cfg.balance_window if self.world > 1 else 1
@@ -278,8 +307,8 @@ class Replica:
                 raw = self.source.fetch(index) if self.source.lazy else row
                 source_id = self.tag_source(source, raw) if self.tag_source else None
                 sample = self.preprocessors[source].process(raw, index, planned_tokens=planned)
-            except Exception as err:  # noqa: BLE001 - never end an epoch on one bad row (unless on_error="raise")
-                if self.cfg.on_error == "raise" or isinstance(err, (OverlongError, ImportError)):
+            except SampleError as err:  # a bad row; anything else (a bug, an API break) ends the pass
+                if self.cfg.on_error == "raise":
                     raise
                 self._skip(err, index, planning=False)
                 continue

@@ -4,20 +4,23 @@
 - `datasets.IterableDataset`: images switched to `{"bytes", "path"}` with `.decode(False)`; the position is the
   dataset's own `state_dict()` (~2 us per row), taken after every row.
 - `{name: dataset}`: tagged with a source column, then mixed by `datasets.interleave_datasets` (its RNG and
-  per-source positions are part of its state_dict).
+  per-source positions are part of its state_dict): without weights every row of every source once, sources
+  alternating row by row; with weights by their probabilities until `stopping_strategy` ends the mix.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import glob
 import json
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from .data import META_COLUMNS
 
-__all__ = ["SOURCE_COLUMN", "IterSource", "MapSource", "make_source"]
+__all__ = ["SOURCE_COLUMN", "IterSource", "MapSource", "load_local", "make_source"]
 
 SOURCE_COLUMN = "__hf_packing_source__"
 
@@ -101,7 +104,15 @@ def _tag(row: dict[str, Any], *, name: str) -> dict[str, Any]:
     return {SOURCE_COLUMN: name}
 
 
-def make_source(ds: Any, weights: Any, seed: int, stopping_strategy: str) -> tuple[Any, list[str]]:
+def mix_stopping(weights: Any, stopping_strategy: str | None) -> str:
+    """What ends a mix: `stopping_strategy` when given, else every row once without weights
+    ("all_exhausted_without_replacement", which alternates the sources row by row) and "first_exhausted" with them."""
+    if stopping_strategy is not None:
+        return stopping_strategy
+    return "first_exhausted" if weights is not None else "all_exhausted_without_replacement"
+
+
+def make_source(ds: Any, weights: Any, seed: int, stopping_strategy: str | None) -> tuple[Any, list[str]]:
     import datasets
 
     names: list[str] = []
@@ -123,7 +134,8 @@ def make_source(ds: Any, weights: Any, seed: int, stopping_strategy: str) -> tup
             if len(w) != len(names) or min(w) < 0 or sum(w) <= 0:
                 raise ValueError(f"weights must give one non-negative weight per dataset ({names}), got {weights!r}")
             probs = [x / sum(w) for x in w]
-        ds = datasets.interleave_datasets(parts, probabilities=probs, seed=seed, stopping_strategy=stopping_strategy)
+        stop = mix_stopping(weights, stopping_strategy)
+        ds = datasets.interleave_datasets(parts, probabilities=probs, seed=seed, stopping_strategy=stop)
     elif weights is not None:
         raise ValueError("weights= needs a {name: dataset} mapping as ds")
     if isinstance(ds, datasets.Dataset):
@@ -133,3 +145,40 @@ def make_source(ds: Any, weights: Any, seed: int, stopping_strategy: str) -> tup
     raise TypeError(
         f"ds must be a datasets.Dataset, datasets.IterableDataset or a dict of them, got {type(ds).__name__}"
     )
+
+
+# ------------------------------------------------------------------------------------------------ local files
+_BUILDERS = {"jsonl": "json", "json": "json", "parquet": "parquet", "arrow": "arrow"}
+
+
+def _builder(path: str) -> str:
+    builder = _BUILDERS.get(path.rsplit(".", 1)[-1].lower())
+    if builder is None:
+        raise ValueError(f"cannot read {path!r}: expected json/jsonl/parquet/arrow files or a saved datasets dir")
+    return builder
+
+
+def load_local(path: str, *, streaming: bool = False) -> Any:
+    """One local source, split ``train``: a directory written by ``save_to_disk`` (``load_from_disk``), or
+    json/jsonl/parquet/arrow data files (``load_dataset``): a file, a glob or a directory of them. A path that does
+    not exist, or a glob that matches nothing, is a `FileNotFoundError` naming it."""
+    import datasets
+
+    p = Path(path)
+    if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
+        ds = datasets.load_from_disk(str(p))
+        ds = ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
+        return ds.to_iterable_dataset() if streaming else ds
+    if p.is_dir():
+        files = sorted(str(f) for f in p.iterdir() if f.suffix.lstrip(".") in _BUILDERS)
+        if not files:
+            raise ValueError(f"no json/jsonl/parquet/arrow files in {path!r}")
+    elif any(ch in path for ch in "*?["):
+        files = sorted(glob.glob(path, recursive=True))
+        if not files:
+            raise FileNotFoundError(f"no file matches {path!r}")
+    elif p.exists():
+        files = [path]
+    else:
+        raise FileNotFoundError(f"{path!r} does not exist")
+    return datasets.load_dataset(_builder(files[0]), data_files=files, split="train", streaming=streaming)

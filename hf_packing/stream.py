@@ -31,7 +31,9 @@ How it works, without any collective (1.-3. and 5. are a [`~hf_packing.replica.R
    length against the planned one.
 4. **Producer thread** ([`~hf_packing.producer`]). Reading, planning and pixel work run in a background thread
    feeding a queue of `prefetch` packs; its exceptions re-raise in the consumer; it stops when the iterator is closed
-   or garbage-collected. A bad row is skipped and counted ([`PackStats`]), never fatal (unless `on_error="raise"`).
+   or garbage-collected. A bad row (a `SampleError`) is skipped and counted ([`PackStats`]), never fatal (unless
+   `on_error="raise"`) until its source has skipped more than `max_skipped_fraction` of its rows; any other exception
+   is not a bad row and ends the pass.
 5. **Resume.** `state_dict()` is the state after the last pack *yielded*: the planner's open packs, the packs
    planned but not yet assigned, the steps scheduled but not yet yielded, the counters, and the source position
    (`datasets` state_dict or a row number) of the oldest row still held plus the row where planning continues.
@@ -64,6 +66,7 @@ from .data import REASONS, Preprocessor
 from .formats import source_formats
 from .length_index import with_length_index
 from .pack_stats import PADDED_BATCH, PackStats
+from .planner import CLOSE_REASONS
 from .producer import produce
 from .replica import Replica, preprocessors
 from .source_ids import SourceTagger
@@ -72,9 +75,9 @@ from .sources import make_source
 __all__ = ["PackStats", "PackedDataset", "PackingConfig", "pack_dataset"]
 logger = logging.getLogger("hf_packing")
 
-# 3: scheduled steps and cost weights; 4: video skip reasons and counters in the PackStats row; 5: rows reach the chat
-# template whole (lengths change), chat_template_kwargs and empty_thinking in the plan
-_STATE_VERSION = 5
+_STATE_VERSION = 5  # 3: scheduled steps and cost weights; 4: video skip reasons and counters in the PackStats row;
+# 5: a mix without weights reads every row (stopping_strategy=None); closed_by, no unexpected_error in PackStats; rows
+# reach the chat template whole (lengths change), chat_template_kwargs and empty_thinking in the plan
 _MAX_SLOTS = 65  # rows of the shared stats table: the main process + up to 64 DataLoader workers
 
 _PLAN_KEYS = (
@@ -328,8 +331,10 @@ class PackedDataset(torch.utils.data.IterableDataset):
             tokens) yielded; `skipped` (reason → count, `overlong` included),
             split into `skipped_while_planning` (the same on every rank: count it once) and
             `skipped_while_processing` (this rank's pixel-time failures: sum over ranks);
-            `rows_read`, `planned_packs` (all ranks), `leftover_packs` / `leftover_samples` (the last incomplete
-            group of `world_size` packs, yielded by no rank); `complete`; `per_source` (`{name: {rows, samples}}`).
+            `rows_read`, `planned_packs` (all ranks) and `closed_by` (why they closed: the budget they reached,
+            `tokens`, `images` or `patches`, else `open_packs` or `end`, see `hf_packing.planner.CLOSE_REASONS`),
+            `leftover_packs` / `leftover_samples` (the last incomplete group of `world_size` packs, yielded by no
+            rank); `complete`; `per_source` (`{name: {rows, samples}}`).
         """
         table = self._shared.numpy().copy()
         used = table[table[:, 0] > 0]
@@ -363,6 +368,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
             "skipped_while_processing": by_reason(stats.processing_skips),
             "rows_read": sum(stats.rows.values()),
             "planned_packs": stats.planned_packs,
+            "closed_by": {reason: stats.closed_by[reason] for reason in CLOSE_REASONS if stats.closed_by[reason]},
             "leftover_packs": stats.leftover_packs,
             "leftover_samples": stats.leftover_samples,
             "complete": bool(stats.complete),
@@ -371,7 +377,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
         if log:
             logger.info(
                 "pack_dataset rank %s: %d packs, %d samples, fill %.4f (padded batches of %d: %.4f), %.1f "
-                "samples/s, %.2f images/pack, %d videos (%d tokens), skipped %s, %d packs left over",
+                "samples/s, %.2f images/pack, %d videos (%d tokens), skipped %s, packs closed by %s, %d packs left "
+                "over",
                 self.rank,
                 packs,
                 samples,
@@ -383,6 +390,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 out["videos"],
                 out["video_tokens"],
                 out["skipped"] or "none",
+                out["closed_by"] or "none",
                 out["leftover_packs"],
             )
         return out
@@ -428,8 +436,9 @@ def pack_dataset(
 
     Args:
         ds (`datasets.Dataset`, `datasets.IterableDataset`, or a `dict` of them): HF-messages or LLaVA rows (see
-            docs/row_formats.md). A dict is mixed with `datasets.interleave_datasets`, counting rows and samples
-            per source; each source keeps its own format. Rows are not shuffled here: shuffle `ds` first.
+            docs/row_formats.md). A dict is mixed with `datasets.interleave_datasets` (without `weights` every row of
+            every source once, alternating; with them until `stopping_strategy`), counting rows and samples per
+            source; each source keeps its own format. Rows are not shuffled here: shuffle `ds` first.
         processor: the model's processor (Qwen2-VL, Qwen2.5-VL and Qwen3-VL families).
         config ([`~hf_packing.config.PackingConfig`], *optional*): the settings (each documented, with its default, in
             `PackingConfig`); its defaults when not given.
@@ -453,7 +462,9 @@ def pack_dataset(
         `stats()`, `count_packs()`, and `len()` once counted. Each sample also carries `index`, its position in the
         (mixed) input stream, and, from a mix or with `source_column`, `source_id` (into `source_names`). A pass in
         which a source that had rows kept none of them, or no rank got a pack, ends with
-        [`~hf_packing.pack_stats.NoSamplesError`] naming the source and its top skip reasons.
+        [`~hf_packing.pack_stats.NoSamplesError`] naming the source and its top skip reasons; a source that skips
+        more than `max_skipped_fraction` of its rows ends it early with
+        [`~hf_packing.pack_stats.TooManySkipsError`] (a `NoSamplesError`), with a hint per reason.
 
     Example:
 

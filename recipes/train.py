@@ -27,6 +27,7 @@ import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from hf_packing import PackingConfig
+from hf_packing.config import per_source_flags
 
 logger = logging.getLogger("hf_packing.recipes")
 
@@ -100,7 +101,7 @@ def parse_args(
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # "resolve": the one `--seed` flag (TrainingArguments', the last) stands for both dataclasses' seed
-    parser = HfArgumentParser(PARSER_TYPES, conflict_handler="resolve")
+    parser = per_source_flags(HfArgumentParser(PARSER_TYPES, conflict_handler="resolve"))  # --weights 0.7 0.3
     if argv and argv[0].endswith((".yaml", ".yml")):
         config = yaml.safe_load(Path(argv.pop(0)).read_text()) or {}
         known = {action.dest for action in parser._actions}
@@ -142,34 +143,11 @@ def prepare_training_args(args: TrainingArguments) -> TrainingArguments:
     return args
 
 
-def _builder(path: str) -> str:
-    suffix = path.rsplit(".", 1)[-1].lower()
-    builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "arrow": "arrow"}.get(suffix)
-    if builder is None:
-        raise ValueError(f"cannot read {path!r}: expected json/jsonl/parquet/arrow files or a saved datasets dir")
-    return builder
-
-
 def load_one(path: str, *, streaming: bool) -> Any:
-    """A saved ``datasets`` dir (``load_from_disk``) or local data files (``load_dataset``), split ``train``."""
-    import datasets
+    """A saved ``datasets`` dir or local data files (a file, glob or directory of them), split ``train``."""
+    from hf_packing.sources import load_local
 
-    p = Path(path)
-    if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
-        ds = datasets.load_from_disk(str(p))
-        ds = ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
-        return ds.to_iterable_dataset() if streaming else ds
-    if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.suffix.lstrip(".") in ("json", "jsonl", "parquet", "arrow"))
-        if not files:
-            raise ValueError(f"no json/jsonl/parquet/arrow files in {path!r}")
-        data_files: Any = [str(f) for f in files]
-    elif p.exists() or any(ch in path for ch in "*?["):
-        data_files = path
-    else:
-        raise FileNotFoundError(f"dataset_path {path!r} does not exist")
-    first = data_files[0] if isinstance(data_files, list) else data_files
-    return datasets.load_dataset(_builder(first), data_files=data_files, split="train", streaming=streaming)
+    return load_local(path, streaming=streaming)
 
 
 #: PackingConfig settings that take one value per source

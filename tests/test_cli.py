@@ -1,13 +1,20 @@
-"""The CLI checks its optional packages before any work, and names the extra to install."""
+"""The CLI checks its optional packages before any work, and names the extra to install; `hf-packing stats` reads
+what the recipes read (several files, globs, directories) and says in one line when a path is missing."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 
 import pytest
+from conftest import FIXTURES, ROOT
 
 from hf_packing._compat import require_extra
+from hf_packing.cli import main
 from hf_packing.cli.demo import DemoConfig, run_demo
 from hf_packing.cli.stats import run_stats
 
@@ -37,6 +44,55 @@ def test_stats_without_matplotlib_fails_before_it_reads(tmp_path, monkeypatch):
     args = argparse.Namespace(data=str(tmp_path / "missing"), processor=str(tmp_path / "missing"))
     with pytest.raises(ImportError, match=r"hf-packing stats .* pip install 'hf_packing\[cli\]'"):
         run_stats(args)
+
+
+# ------------------------------------------------------------------------------------------ hf-packing stats
+def _jsonl(path, n: int, words: int = 10) -> str:  # 49 tokens a row
+    row = {"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "word " * words}]}
+    path.write_text((json.dumps(row) + "\n") * n)
+    return str(path)
+
+
+def test_stats_reads_several_files_globs_and_directories(tmp_path, capsys):
+    """Every row of every path counts (5 + 2·3 + 4 = 15 rows of 49 tokens); at max_length=100 two rows fill a pack,
+    which the third closes by the token budget: 7 packs, and the last with its one row ends the data."""
+    (tmp_path / "dir").mkdir()
+    paths = [_jsonl(tmp_path / "a.jsonl", 5), str(tmp_path / "dir"), str(tmp_path / "g_*.jsonl")]
+    for name in ("dir/x.jsonl", "dir/y.jsonl"):
+        _jsonl(tmp_path / name, 3)
+    _jsonl(tmp_path / "g_1.jsonl", 4)
+    args = [*paths, "--processor", str(FIXTURES / "qwen2_vl"), "--max-length", "100", "--strategy", "next_fit"]
+    assert main(["stats", *args, "--output", str(tmp_path / "h.png")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("15 rows, max_length=100, max_images=")
+    (next_fit,) = [line for line in out if line.startswith("next_fit ")]
+    assert "tokens: 7, end: 1  /  none" in next_fit  # 8 packs of 2, 2, ..., 1 rows
+    assert "packs closed by: the budget a pack reached" in "\n".join(out)
+
+
+def test_a_missing_stats_path_is_one_line_not_a_traceback(tmp_path):
+    _jsonl(tmp_path / "a.jsonl", 2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    for missing, said in (("nope.jsonl", "'nope.jsonl' does not exist"), ("x_*.jsonl", "no file matches 'x_*.jsonl'")):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hf_packing.cli",
+                "stats",
+                "a.jsonl",
+                missing,
+                "--processor",
+                str(FIXTURES / "qwen2_vl"),
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == f"hf-packing stats: error: {said}"
 
 
 # ------------------------------------------------------------------------------------------ hf-packing plot

@@ -50,6 +50,8 @@ CUSTOM = PackingConfig(
     length_index="/tmp/index",
     index_num_proc=2,
     source_column="kind",
+    max_skipped_fraction=0.5,
+    skip_check_rows=100,
 )
 ROWS = [{"messages": [{"role": "user", "content": "hi " * n}, {"role": "assistant", "content": "ok"}]} for n in (3, 5)]
 

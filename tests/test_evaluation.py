@@ -512,7 +512,7 @@ def text_file(tmp_path_factory) -> str:
 
 
 def _mix(eval_file: str, text_file: str, processor, max_length: int):
-    """The 12 eval rows and 6 text-only rows as a ``{name: dataset}`` mix (interleaved until one runs out)."""
+    """The 12 eval rows and 6 text-only rows as a ``{name: dataset}`` mix (no weights: every row of both)."""
     from datasets import load_dataset
 
     files = dict(zip(SOURCES, (eval_file, text_file), strict=True))

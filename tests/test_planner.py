@@ -552,3 +552,31 @@ def test_pack_stats_values() -> None:
 def test_padded_fill_at_batch() -> None:
     assert padded_fill_at_batch([4, 2, 1], batch_size=2) == pytest.approx(7 / (8 + 1))
     assert padded_fill_at_batch([], batch_size=8) == 1.0
+
+
+def test_the_planner_records_which_budget_closed_each_pack():
+    """Tiny literal plans with exact counts: tokens, images and patches each close packs, also at the flush when a pack
+    can take no further sample; `end` is a pack the input left with room; the counts resume with the state."""
+    lengths, images, patches = [6, 5, 5, 2, 2, 2, 1], [0, 0, 1, 1, 1, 0, 0], [0, 0, 4, 4, 4, 0, 0]
+    nf = StreamingPlanner(max_length=10, strategy="next_fit", max_images=2)
+    # 6+5 > 10 and 10+2 > 10: tokens; the flushed pack holds 2 of 2 images
+    assert nf.extend(lengths, images=images, patches=patches) + nf.flush() == [[0], [1, 2], [3, 4, 5, 6]]
+    assert nf.closed_by == {"tokens": 2, "images": 1, "patches": 0, "open_packs": 0, "end": 0}
+    nf = StreamingPlanner(max_length=100, strategy="next_fit", max_images=2)
+    assert nf.extend(lengths, images=images) + nf.flush() == [[0, 1, 2, 3], [4, 5, 6]]  # a 3rd image: images
+    assert nf.closed_by == {"tokens": 0, "images": 1, "patches": 0, "open_packs": 0, "end": 1}
+    nf = StreamingPlanner(max_length=100, strategy="next_fit", max_vision_patches=8)
+    assert nf.extend(lengths, patches=patches) + nf.flush() == [[0, 1, 2, 3], [4, 5, 6]]  # 12 > 8 patches
+    assert nf.closed_by == {"tokens": 0, "images": 0, "patches": 1, "open_packs": 0, "end": 1}
+    # BFD, window [5, 5, 4i, 4i]: 5+5 full (tokens); each 4i alone, with no image room left (images); the flushed
+    # [3, 3, 1] has room (end)
+    bfd = StreamingPlanner(max_length=10, max_images=1, buffer_size=4, repack_windows=0)
+    packs = bfd.extend([5, 5, 4, 4, 3, 3, 1], images=[0, 0, 1, 1, 0, 0, 0]) + bfd.flush()
+    assert packs == [[0, 1], [2], [3], [4, 5, 6]]
+    assert bfd.closed_by == {"tokens": 1, "images": 2, "patches": 0, "open_packs": 0, "end": 1}
+    half = StreamingPlanner(max_length=10, max_images=1, buffer_size=4, repack_windows=0)
+    assert half.extend([5, 5, 4, 4], images=[0, 0, 1, 1]) == packs[:3]
+    resumed = StreamingPlanner(max_length=10, max_images=1, buffer_size=4, repack_windows=0)
+    resumed.load_state_dict(half.state_dict())
+    assert resumed.extend([3, 3, 1], indices=[4, 5, 6], images=[0, 0, 0]) + resumed.flush() == packs[3:]
+    assert resumed.closed_by == bfd.closed_by

@@ -181,6 +181,19 @@ def _launch_env(path: Path) -> tuple[object, dict[str, str]]:
     return args, prepare_simple_launcher_cmd_env(args)[1]
 
 
+def test_list_flags_take_several_values_or_json(train):
+    """recipes/README.md's ``--dataset_path a.jsonl b.parquet --weights 0.7 0.3`` (the usage error of #31) and its
+    JSON spelling give the same weights; other per-source flags take several values too, one value stays one."""
+    base = ["--model_name_or_path", "m", "--output_dir", "o", "--dataset_path", "a.jsonl", "b.parquet"]
+    for flags in (["--weights", "0.7", "0.3"], ["--weights", "[0.7, 0.3]"]):
+        _, data, packing, _ = train.parse_args([*base, *flags])
+        assert packing.weights == [0.7, 0.3] and data.dataset_path == ["a.jsonl", "b.parquet"]
+    _, _, packing, _ = train.parse_args([*base, "--media_root", "/a", "/b", "--fps", "2", "1", "--row_format", "llava"])
+    assert (packing.media_root, packing.fps, packing.row_format) == (["/a", "/b"], [2.0, 1.0], "llava")
+    with pytest.raises(ValueError, match="weights must be numbers"):
+        train.parse_args([*base, "--weights", "0.7", "many"])
+
+
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
 def test_accelerate_loads_and_launch_accepts_the_configs(path):
     from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file

@@ -70,9 +70,9 @@ def test_keep_rank_packs_undoes_accelerates_second_sharding():
         {"messages": [{"role": "user", "content": "word " * (5 + 7 * i)}, {"role": "assistant", "content": "ok"}]}
         for i in range(12)
     ]
-    packs = pack_dataset(
-        Dataset.from_list(rows), load_processor("qwen2_vl"), max_length=160, rank=1, world_size=2, disable_progress=True
-    )
+    settings = {"max_length": 160, "rank": 1, "world_size": 2, "disable_progress": True}
+    settings["max_skipped_fraction"] = 1.0  # 5 of the 12 rows are over max_length: dropped on purpose
+    packs = pack_dataset(Dataset.from_list(rows), load_processor("qwen2_vl"), **settings)
     own = [[s["index"] for s in p] for p in packs]
     assert len(own) >= 2
 

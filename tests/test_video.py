@@ -266,7 +266,9 @@ def test_pack_dataset_counts_videos_and_skips(processors, clips, tmp_path):
     ]
     proc = processors["qwen3_vl"]
     kwargs = {"fps": 4.0, "max_frames": 6}
-    train = pack_dataset(Dataset.from_list(rows), proc, max_length=4096, media_root=str(tmp_path), videos_kwargs=kwargs)
+    settings = {"max_length": 4096, "media_root": str(tmp_path), "videos_kwargs": kwargs}
+    settings["max_skipped_fraction"] = 1.0  # 1 of 5 rows is skipped on purpose
+    train = pack_dataset(Dataset.from_list(rows), proc, **settings)
     samples = [s for pack in train for s in pack]
     stats = train.stats(log=False)
     pre = Preprocessor(proc, media_root=tmp_path, videos_kwargs=kwargs)
@@ -282,14 +284,7 @@ def test_pack_dataset_counts_videos_and_skips(processors, clips, tmp_path):
     index = build_length_index(Dataset.from_list(rows), pre, progress=False)
     assert index["hfp_num_videos"] == [1, 1, 0, 1, 0] and index["hfp_skip"][2] == "corrupt_video"
     assert [pre.planned_meta(dict(zip(META_COLUMNS, r)), i) for i, r in enumerate(zip(*index[:2].values()))] == expected
-    unindexed = pack_dataset(
-        Dataset.from_list(rows),
-        proc,
-        max_length=4096,
-        media_root=str(tmp_path),
-        videos_kwargs=kwargs,
-        length_index=False,
-    )
+    unindexed = pack_dataset(Dataset.from_list(rows), proc, **settings, length_index=False)
     assert [s["index"] for pack in unindexed for s in pack] == [s["index"] for s in samples]
     assert unindexed.stats(log=False)["video_tokens"] == stats["video_tokens"]
     # per source: each source samples with its own videos_kwargs

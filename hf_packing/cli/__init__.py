@@ -10,7 +10,7 @@ from argparse import ArgumentDefaultsHelpFormatter
 from pathlib import Path
 from typing import Any
 
-from ..config import PackingConfig
+from ..config import PackingConfig, per_source_flags
 from ..testing.tiny import MODEL_TYPES
 
 
@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     # dataclass with its default and help
     def packing() -> dict[str, Any]:  # a parent per command: argparse shares a parent's actions (and defaults)
         return {
-            "parents": [HfArgumentParser(PackingConfig, add_help=False)],
+            "parents": [per_source_flags(HfArgumentParser(PackingConfig, add_help=False))],
             "formatter_class": ArgumentDefaultsHelpFormatter,
         }
 
@@ -44,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     stats = sub.add_parser(
         "stats", help="packing statistics of the configured strategy and the others, from metadata only", **packing()
     )
-    stats.add_argument("data", help="local json/jsonl/parquet/arrow file(s) or a saved datasets dir")
+    stats.add_argument(
+        "data", nargs="+", help="local json/jsonl/parquet/arrow files, globs, directories of them, saved datasets dirs"
+    )
     stats.add_argument("--processor", required=True, help="local processor dir")
     stats.add_argument("--output", type=Path, default=Path("pack_stats.png"), help="histogram PNG")
 

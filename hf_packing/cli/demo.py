@@ -56,20 +56,10 @@ def _prepare(cfg: DemoConfig) -> tuple[str, str, str]:
 
 
 def load_any_dataset(path: str):
-    """A saved ``datasets`` dir (``load_from_disk``) or local json/jsonl/parquet/arrow files (``load_dataset``)."""
-    import datasets
+    """A saved ``datasets`` dir or local json/jsonl/parquet/arrow files (a file, glob or directory of them)."""
+    from ..sources import load_local
 
-    p = Path(path)
-    if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
-        ds = datasets.load_from_disk(str(p))
-        return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
-    suffix = p.suffix.lstrip(".") if p.is_file() else next((f.suffix.lstrip(".") for f in p.iterdir()), "")
-    builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "arrow": "arrow"}.get(suffix)
-    if builder is None:
-        raise ValueError(
-            f"cannot read dataset at {path!r}: expected a saved datasets dir or json/jsonl/parquet/arrow files"
-        )
-    return datasets.load_dataset(builder, data_files=str(p / f"*.{suffix}") if p.is_dir() else str(p), split="train")
+    return load_local(path)
 
 
 def with_sources(ds):

@@ -4,7 +4,10 @@ The settings are a [`~hf_packing.config.PackingConfig`] (its fields are the comm
 `pack_dataset` reads them: lengths come from the same `Preprocessor.estimate` (chat template + image and video
 headers + the processor's sampling and resize rules; `on_overlong` applies), so a pass costs ~0.1 ms per sample (~1 ms
 per video file); the planner then packs the numbers with the configured strategy, then with each other one for
-comparison. Videos and their `<|video_pad|>` tokens are reported on their own line.
+comparison, and says which budget closed the packs (`tokens`, `images`, `patches`: a pack at 0.45 fill closed by
+`images` wants a larger `max_images`). Several paths are read like `recipes/train.py`'s `dataset_path` (files, globs,
+directories, saved datasets; each its own source, every row counted); skip reasons are `pack_dataset`'s names. Videos
+and their `<|video_pad|>` tokens are reported on their own line.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import dataclasses
 import logging
 import sys
 from collections import Counter
+from pathlib import Path
+from typing import Any
 
 from ..config import PackingConfig
 from ..data import Preprocessor, SampleError, SkipCounter
 from ..formats import FEATURES, source_formats
 from ..pack_stats import pack_stats
-from ..planner import STRATEGIES, plan_packs
+from ..planner import STRATEGIES, StreamingPlanner
 from ..replica import preprocessors
 
 logger = logging.getLogger("hf_packing")
@@ -53,45 +58,68 @@ def collect_metadata(dataset, preprocessor: Preprocessor, *, show_progress: bool
     )
 
 
+def load_sources(paths: list[str]) -> dict[str | None, Any]:
+    """`{None: dataset}` for one path, else `{"<i>:<stem>": dataset}` (the names `recipes/train.py` gives a mix), each
+    a file, glob, directory of files or saved datasets dir. A missing path ends the command with one line."""
+    from ..sources import load_local
+
+    try:
+        loaded = [load_local(path) for path in paths]
+    except (FileNotFoundError, ValueError) as err:
+        raise SystemExit(f"hf-packing stats: error: {err}") from None
+    if len(loaded) == 1:
+        return {None: loaded[0]}
+    return {f"{i}:{Path(path.rstrip('/*')).stem or i}": ds for i, (path, ds) in enumerate(zip(paths, loaded))}
+
+
 def run_stats(args: argparse.Namespace, config: PackingConfig | None = None) -> dict[str, dict]:
-    """Print a table per strategy (`config`'s first) for `args.data` with the processor at `args.processor`, write
-    the fill/length histogram to `args.output`; returns the per-strategy stats."""
+    """Print a table per strategy (`config`'s first) for `args.data` (one path or several: every row of each, each
+    with its own format and per-source settings) with the processor at `args.processor`, write the fill/length
+    histogram to `args.output`; returns the per-strategy stats."""
     from transformers import AutoProcessor
 
     from .._compat import require_extra
 
     require_extra("cli", "matplotlib", purpose="hf-packing stats (it draws the fill/length histogram)")
 
-    from .demo import load_any_dataset
     from .plots import plot_stats
 
     cfg = config or PackingConfig()
+    paths = [args.data] if isinstance(args.data, str) else list(args.data)
+    sources = load_sources(paths)
+    names = [n for n in sources if n is not None]
+    formats = source_formats(sources if names else sources[None], cfg.row_format)
+    cfg = dataclasses.replace(cfg, row_format=formats if names else formats[None])
     processor = AutoProcessor.from_pretrained(args.processor)
-    dataset = load_any_dataset(args.data)
-    cfg = dataclasses.replace(cfg, row_format=source_formats(dataset, cfg.row_format)[None])
-    preprocessor = preprocessors(cfg, processor, [])[None]  # the one pack_dataset would use
+    pres = preprocessors(cfg, processor, names)  # the ones pack_dataset would use
     show = sys.stderr.isatty() and not cfg.disable_progress
-    lengths, images, patches, skipped, videos = collect_metadata(dataset, preprocessor, show_progress=show)
+    lengths, images, patches, skipped, videos = [], [], [], SkipCounter(), Counter()
+    for name, dataset in sources.items():
+        meta = collect_metadata(dataset, pres[name], show_progress=show)
+        for total, part in zip((lengths, images, patches), meta[:3]):
+            total += part
+        skipped.update(meta[3])
+        videos.update(meta[4])
     if not lengths:
-        raise SystemExit(f"no usable samples in {args.data}; skipped: {dict(skipped)}")
+        raise SystemExit(f"no usable samples in {' '.join(paths)}; skipped: {dict(skipped)}")
     results, fills = {}, {}
     for strategy in [cfg.strategy, *(s for s in STRATEGIES if s != cfg.strategy)]:
-        packs = plan_packs(
-            lengths,
+        planner = StreamingPlanner(
             max_length=cfg.max_length,
             strategy=strategy,
-            images=images,
             max_images=cfg.max_images,
-            vision_patches=patches,
             max_vision_patches=cfg.max_vision_patches,
             buffer_size=cfg.buffer_size,
         )
+        packs = planner.extend(lengths, images=images, patches=patches) + planner.flush()
         stats = pack_stats(packs, lengths, cfg.max_length, images=images)
         placed = {i for pack in packs for i in pack}
         dropped = Counter(
             _drop_reason(i, lengths, images, patches, cfg) for i in range(len(lengths)) if i not in placed
         )
-        results[strategy] = {**stats, "dropped": dict(dropped), "skipped": dict(skipped), **videos}
+        closed = {reason: n for reason, n in planner.closed_by.items() if n}
+        results[strategy] = {**stats, "dropped": dict(dropped), "skipped": dict(skipped), "closed_by": closed}
+        results[strategy].update(videos=videos["videos"], video_tokens=videos["video_tokens"])
         fills[strategy] = [sum(lengths[i] for i in p) / cfg.max_length for p in packs]
     print(format_table(results, len(lengths) + sum(skipped.values()), cfg))
     print("rows carrying " + ", ".join(f"{k.replace('_', ' ')}: {n}" for k, n in videos["features"].items()))
@@ -103,20 +131,30 @@ def run_stats(args: argparse.Namespace, config: PackingConfig | None = None) -> 
 
 
 def _drop_reason(i: int, lengths, images, patches, cfg: PackingConfig) -> str:
+    """The skip reason (a name of `REASONS`, as `pack_dataset` counts it) of a sample over a budget on its own."""
     if lengths[i] > cfg.max_length:
-        return "longer_than_max_length"
+        return "overlong"
     if cfg.max_images is not None and images[i] > cfg.max_images:
-        return "more_images_than_max_images"
-    return "more_patches_than_max_vision_patches"
+        return "too_many_images"
+    return "too_many_vision_patches"
 
 
 def format_table(results: dict[str, dict], rows: int, cfg: PackingConfig) -> str:
-    header = f"{'strategy':<10} {'fill':>7} {'packs':>7} {'img/pack':>9} {'padded-8 fill':>14}  dropped / skipped"
-    lines = [f"{rows} rows, max_length={cfg.max_length}, buffer_size={cfg.buffer_size}", header, "-" * len(header)]
+    header = (
+        f"{'strategy':<10} {'fill':>7} {'packs':>7} {'img/pack':>9} {'padded-8 fill':>14}  packs closed by  /  skipped"
+    )
+    budgets = f"max_images={cfg.max_images}, max_vision_patches={cfg.max_vision_patches}"
+    lines = [f"{rows} rows, max_length={cfg.max_length}, {budgets}, buffer_size={cfg.buffer_size}", header]
+    lines.append("-" * len(header))
     for name, r in results.items():
-        reasons = ", ".join(f"{k}: {v}" for k, v in {**r["dropped"], **r["skipped"]}.items()) or "none"
+        reasons = ", ".join(f"{k}: {v}" for k, v in (Counter(r["dropped"]) + Counter(r["skipped"])).items()) or "none"
+        closed = ", ".join(f"{k}: {v}" for k, v in r["closed_by"].items()) or "none"
         lines.append(
             f"{name:<10} {r['fill']:>7.4f} {r['num_packs']:>7} {r.get('mean_images_per_pack') or 0:>9.2f} "
-            f"{r['padded_batch_fill']:>14.3f}  {reasons}"
+            f"{r['padded_batch_fill']:>14.3f}  {closed}  /  {reasons}"
         )
+    lines.append(
+        "packs closed by: the budget a pack reached (tokens: max_length, images: max_images, patches: "
+        "max_vision_patches), or end (the data ended) / open_packs (over the planner's open-pack limit)"
+    )
     return "\n".join(lines)
