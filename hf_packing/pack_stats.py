@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .data import REASONS, SkipCounter
+from .formats import FEATURES
 from .planner import CLOSE_REASONS, IntArray, check_int
 
 __all__ = [
@@ -132,6 +133,7 @@ class PackStats:
     video_tokens: int = 0  # <|video_pad|> tokens of the yielded samples
     processing_skips: SkipCounter = dataclasses.field(default_factory=SkipCounter)  # reason -> samples
     closed_by: Counter = dataclasses.field(default_factory=Counter)  # why packs closed (all ranks): CLOSE_REASONS
+    features: Counter = dataclasses.field(default_factory=Counter)  # kept rows carrying each of formats.FEATURES
 
     _YIELDED = ("packs", "samples", "tokens", "images", "videos", "video_tokens", "processing_skips")
 
@@ -153,6 +155,7 @@ class PackStats:
             "planning_skips": [(s, r) for s in self.sources for r in REASONS],
             "processing_skips": REASONS,
             "closed_by": CLOSE_REASONS,
+            "features": FEATURES,
         }
         return [
             (f.name, keys.get(f.name, self.sources) if isinstance(getattr(self, f.name), Counter) else None)

@@ -208,6 +208,7 @@ class Replica:
         if count:
             self.stats.add_padded(meta.num_tokens)
             self.stats.kept[source] += 1
+            self.stats.features.update(meta.features)
         return meta
 
     def _skip(self, err: SampleError, index: int, *, source: str | None = None, planning: bool) -> None:

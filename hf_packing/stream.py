@@ -63,7 +63,7 @@ import torch
 from .balance import WorkCost
 from .config import PackingConfig
 from .data import REASONS, Preprocessor
-from .formats import source_formats
+from .formats import FEATURES, source_formats
 from .length_index import with_length_index
 from .pack_stats import PADDED_BATCH, PackStats
 from .planner import CLOSE_REASONS
@@ -334,7 +334,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
             `rows_read`, `planned_packs` (all ranks) and `closed_by` (why they closed: the budget they reached,
             `tokens`, `images` or `patches`, else `open_packs` or `end`, see `hf_packing.planner.CLOSE_REASONS`),
             `leftover_packs` / `leftover_samples` (the last incomplete group of `world_size` packs, yielded by no
-            rank); `complete`; `per_source` (`{name: {rows, samples}}`).
+            rank); `complete`; `per_source` (`{name: {rows, samples}}`); `rows_with` (kept rows carrying
+            reasoning, tool calls, tool turns or tools: `hf_packing.formats.FEATURES`).
         """
         table = self._shared.numpy().copy()
         used = table[table[:, 0] > 0]
@@ -369,6 +370,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
             "rows_read": sum(stats.rows.values()),
             "planned_packs": stats.planned_packs,
             "closed_by": {reason: stats.closed_by[reason] for reason in CLOSE_REASONS if stats.closed_by[reason]},
+            "rows_with": {feature: stats.features[feature] for feature in FEATURES},
             "leftover_packs": stats.leftover_packs,
             "leftover_samples": stats.leftover_samples,
             "complete": bool(stats.complete),
@@ -378,7 +380,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
             logger.info(
                 "pack_dataset rank %s: %d packs, %d samples, fill %.4f (padded batches of %d: %.4f), %.1f "
                 "samples/s, %.2f images/pack, %d videos (%d tokens), skipped %s, packs closed by %s, %d packs left "
-                "over",
+                "over; rows with %s",
                 self.rank,
                 packs,
                 samples,
@@ -392,6 +394,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
                 out["skipped"] or "none",
                 out["closed_by"] or "none",
                 out["leftover_packs"],
+                out["rows_with"],
             )
         return out
 

@@ -302,6 +302,10 @@ def test_trl_standard_prompt_completion_is_text_plus_eos_with_the_completion_sup
     assert tok.decode(sample["labels"][sample["labels"] != IGNORE_INDEX]) == " blue.<|im_end|>"
 
 
+def _rows(rows):  # a stream of rows whose contents mix strings and parts (Arrow tables cannot)
+    yield from rows
+
+
 def test_stats_report_rows_with_reasoning_and_tool_calls(family_processors, media, caplog):
     from hf_packing.cli.stats import collect_metadata
 
@@ -311,6 +315,15 @@ def test_stats_report_rows_with_reasoning_and_tool_calls(family_processors, medi
     with caplog.at_level(logging.WARNING):
         *_, extra = collect_metadata(rows, pre, show_progress=False)
     assert extra["features"] == {"reasoning": 2, "tool_calls": 3, "tool_turns": 1, "tools": 1}
+    # the packer's summary counts kept rows the same way (here without the tools column)
+    from datasets import IterableDataset
+
+    from hf_packing import pack_dataset
+
+    stream = IterableDataset.from_generator(_rows, gen_kwargs={"rows": [{"messages": r["messages"]} for r in rows]})
+    packs = pack_dataset(stream, pre.processor, max_length=4096)
+    list(packs)
+    assert packs.stats(log=False)["rows_with"] == {"reasoning": 2, "tool_calls": 3, "tool_turns": 1, "tools": 0}
 
 
 # ------------------------------------------------------------------------------------------------ docs
