@@ -40,6 +40,57 @@ def _as_long(x: Any) -> torch.Tensor:
     return t.reshape(-1).long()
 
 
+def is_tokenizer(processor: Any) -> bool:
+    """Whether ``processor`` is a bare tokenizer (no image processor): what ``AutoTokenizer`` or
+    ``processor.tokenizer`` give, where `VisionCollator` and `pack_dataset` need ``AutoProcessor``'s processor."""
+    from transformers import PreTrainedTokenizerBase
+
+    return isinstance(processor, PreTrainedTokenizerBase)
+
+
+def check_processor(processor: Any, config: Any = None, *, where: str = "VisionCollator") -> None:
+    """Raise when ``processor`` cannot serve a Qwen-VL model of ``config``: a tokenizer instead of the processor, or
+    the processor of another family (its image processor cuts other patches than the model's vision tower reads).
+
+    Args:
+        processor: what the user passed (``None`` is not checked).
+        config (`PretrainedConfig`, *optional*): the model's config.
+        where (`str`): the argument's owner, for the message.
+    """
+    if processor is None:
+        return
+    if is_tokenizer(processor):
+        raise ValueError(
+            f"{where} got a tokenizer ({type(processor).__name__}) where the model's processor is needed (its image "
+            "processor and placeholder tokens): pass AutoProcessor.from_pretrained(<the model's checkpoint>), not "
+            "AutoTokenizer / processor.tokenizer"
+        )
+    vision = getattr(config, "vision_config", None)
+    image_processor = getattr(processor, "image_processor", None)
+    if vision is None or image_processor is None:
+        return
+    pairs = (
+        ("patch_size", "patch_size"),
+        ("temporal_patch_size", "temporal_patch_size"),
+        ("merge_size", "spatial_merge_size"),
+    )
+    for ours, theirs in pairs:
+        got, want = getattr(image_processor, ours, None), getattr(vision, theirs, None)
+        if got is not None and want is not None and got != want:
+            raise ValueError(
+                f"{where}: the processor ({type(processor).__name__}, image {ours}={got}) is not this model's "
+                f"({config.model_type}, vision {theirs}={want}); load both from the same checkpoint: "
+                "AutoProcessor.from_pretrained(<the model's checkpoint>)"
+            )
+    for token in ("image_token_id", "video_token_id"):
+        got, want = getattr(processor, token, None), getattr(config, token, None)
+        if got is not None and want is not None and got != want:
+            raise ValueError(
+                f"{where}: the processor's {token}={got} differs from the model's ({config.model_type}: {want}); load "
+                "both from the same checkpoint: AutoProcessor.from_pretrained(<the model's checkpoint>)"
+            )
+
+
 class RopeIndex:
     """The model's own ``get_rope_index``, callable without a model instance (only its config).
 
@@ -48,8 +99,15 @@ class RopeIndex:
     """
 
     def __init__(self, config) -> None:
+        from .patches import supported_model_types
         from .patches._spec import FAMILIES
 
+        if getattr(config, "model_type", None) not in FAMILIES:
+            raise ValueError(
+                f"VisionCollator(model_config=...) got a {getattr(config, 'model_type', type(config).__name__)!r} "
+                f"config; it computes M-RoPE positions for {supported_model_types()}: pass the Qwen-VL model's "
+                "config (model.config)"
+            )
         spec = FAMILIES[config.model_type]
         self.config = config
         self._cls = getattr(spec.load(), spec.backbone_class)
@@ -120,7 +178,9 @@ class VisionCollator:
             raise ValueError(f"mode must be 'rows' or 'flat', got {mode!r}")
         if mode == "flat" and model_config is None:
             raise ValueError("mode='flat' needs model_config=model.config to compute per-sample M-RoPE position ids")
+        check_processor(processor, model_config)
         tokenizer = getattr(processor, "tokenizer", processor)
+        self.processor = processor  # for prepare_trainer's check against the model (`check_processor`)
         self.mode = mode
         self.pad_token_id = pad_token_id if pad_token_id is not None else getattr(tokenizer, "pad_token_id", None) or 0
         self.padding_side = padding_side or getattr(tokenizer, "padding_side", "right")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+from ..prepared import check_active_loader
 from ._attention import PACKED_KWARG
 from ._forward import (
     CallBinder,
@@ -47,6 +48,7 @@ def make_backbone_forward(original: Callable, spec: FamilySpec, options: RmpadOp
         call, extra, packing = bind_call(args, kwargs)
         if is_generation_call(call, resolve_use_cache(self, call.get("use_cache", extra.get("use_cache")))):
             return original(self, *args, **without_packing(kwargs), return_dict=True)
+        check_active_loader(collated=packing["seqlens"] is not None)  # forgetting prepare_trainer is loud
         if options.sequence_parallel_size > 1:
             raise ValueError(
                 f"sequence_parallel_size={options.sequence_parallel_size}: the backbone ({type(self).__name__}) "

@@ -1,0 +1,107 @@
+"""Forgetting `prepare_trainer` is loud: the patched forward checks the loader that feeds it, once per loader.
+
+accelerate records the DataLoader being iterated in its ``GradientState`` singleton (``active_dataloader``): every
+``Accelerator.prepare``'d loader registers itself when its iteration begins, which covers the Trainer's train,
+eval and test loaders (and their resume fast-forward copies) under one process, ``torchrun`` or
+``accelerate launch``. A packed forward (`hf_packing.apply_rmpad`) that runs while such a loader is active refuses:
+
+- a ``DataLoaderDispatcher`` (accelerate's default for an ``IterableDataset``) around `pack_dataset`'s packs or
+  `VisionCollator` batches: it slices every batch tensor to the batch size (``cu_seqlens``, ``pixel_values``, the
+  ``(3, B, L)`` positions), which used to surface as a deep ``IndexError`` / rotary ``RuntimeError``;
+- `pack_dataset`'s packs behind an ``IterableDatasetShard`` of several processes: each rank would silently train
+  on every ``world_size``-th pack of a stream that is already its own share (exit 0, half the data);
+- `pack_dataset`'s packs in a loader that `prepare_trainer` did not hand out (`mark_prepared`): without it resuming
+  keeps the initial weights and evaluation is not token-level.
+
+Each error names ``hf_packing.prepare_trainer(trainer)``. The check reads Python attributes only (no device sync),
+once per loader object, and is skipped while torch.compile traces. Batches from another collator on a map-style
+dataset, and loops without accelerate, are not checked: nothing there reshards or slices.
+
+It also knows whether a prepared Trainer is inside ``train()`` (`training`), so `revert_rmpad` can refuse then.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+#: attribute `prepare_trainer` sets on the dataset a prepared loader iterates (accelerate's shard or the packs)
+PREPARED_ATTR = "hf_packing_prepared"
+_CHECKED: weakref.WeakSet = weakref.WeakSet()  # loaders found fine
+_TRAINING: weakref.WeakSet = weakref.WeakSet()  # prepared Trainers inside train()
+
+_FIX = "call hf_packing.prepare_trainer(trainer) after building the Trainer (before train() / evaluate())"
+
+
+def mark_prepared(loader: Any) -> Any:
+    """Mark a loader `prepare_trainer` made (on its dataset, which accelerate's resume fast-forward keeps)."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None:
+        try:
+            setattr(dataset, PREPARED_ATTR, True)
+        except AttributeError:  # a dataset with __slots__: nothing to check it against later
+            pass
+    return loader
+
+
+def active_loader() -> Any:
+    """accelerate's loader being iterated now, or None (no Accelerator, or between loops)."""
+    from accelerate.state import GradientState
+
+    if not GradientState._shared_state:  # no Accelerator created in this process: do not create its state
+        return None
+    references = GradientState._shared_state.get("_dataloader_references_ref") or [None]
+    ref = references[-1]
+    return None if ref is None else ref()
+
+
+def check_active_loader(collated: bool) -> None:
+    """Raise if the loader feeding this packed forward is one `prepare_trainer` would have fixed (module docstring).
+
+    ``collated``: the batch came from `VisionCollator` (it carries ``seqlens``).
+    """
+    if torch.compiler.is_compiling():
+        return
+    loader = active_loader()
+    if loader is None or loader in _CHECKED:
+        return
+    from accelerate.data_loader import DataLoaderDispatcher, IterableDatasetShard
+
+    from .unwrap import packed_dataset
+
+    packs = packed_dataset(loader)
+    if isinstance(loader, DataLoaderDispatcher) and (collated or packs is not None):
+        raise RuntimeError(
+            "accelerate dispatches this loader's batches (dispatch_batches, its default for an IterableDataset): it "
+            "slices every tensor of a packed batch to the batch size (cu_seqlens, pixel_values, position_ids). "
+            f"{_FIX}; in your own accelerate loop: DataLoaderConfiguration(dispatch_batches=False, split_batches=False)"
+        )
+    if packs is not None:
+        shard = getattr(loader, "dataset", None)
+        if isinstance(shard, IterableDatasetShard) and shard.num_processes > 1:
+            raise RuntimeError(
+                f"accelerate's IterableDatasetShard gives this rank every {shard.num_processes}th pack of a "
+                f"pack_dataset stream that is already this rank's share: each rank would train on 1/"
+                f"{shard.num_processes} of its packs. {_FIX}"
+            )
+        if not getattr(shard, PREPARED_ATTR, False):
+            raise RuntimeError(
+                "a Trainer iterates pack_dataset's packs without hf_packing.prepare_trainer (it keeps each rank's "
+                f"packs, stops accelerate's dispatching, reloads checkpoints exactly, evaluates token-level): {_FIX}"
+            )
+    _CHECKED.add(loader)
+
+
+def training_started(trainer: Any) -> None:
+    _TRAINING.add(trainer)
+
+
+def training_ended(trainer: Any) -> None:
+    _TRAINING.discard(trainer)
+
+
+def training() -> bool:
+    """Whether a Trainer that `prepare_trainer` prepared is inside ``train()`` now."""
+    return len(_TRAINING) > 0
