@@ -25,6 +25,16 @@ from ._linear import linear_patches
 from ._patcher import Patch, PatchSet, RegistryPatch
 from ._spec import FAMILIES, FamilySpec
 
+__all__ = [
+    "apply_rmpad",
+    "check_attn_implementation",
+    "is_applied",
+    "is_patched",
+    "revert_rmpad",
+    "sequence_parallel_state",
+    "supported_model_types",
+]
+
 _PATCHES = PatchSet()
 _REGISTRY_GROUP = "attention-registry"
 
