@@ -30,14 +30,13 @@ from ._attention import PACKED_KWARG, PackedForward, missing_boundaries_error
 from ._patcher import Patch
 
 logger = logging.getLogger("hf_packing")
-_LOGGED: set[str] = set()
 
 
-def _log_backend_once(kind: str, backend: str, x) -> None:
-    """Log the linear-attention backend `resolve_linear_backend` picks, once per op and process (eager only)."""
-    if torch.compiler.is_compiling() or kind in _LOGGED:
+def _log_backend_once(logged: set[str], kind: str, backend: str, x) -> None:
+    """Log the linear-attention backend `resolve_linear_backend` picks, once per op and `apply_rmpad` (eager only)."""
+    if torch.compiler.is_compiling() or kind in logged:
         return
-    _LOGGED.add(kind)
+    logged.add(kind)
     name = linear_attention.resolve_linear_backend(backend, x)
     logger.info(
         "hf_packing: linear attention (%s) runs on %s (linear_backend=%r, %s on %s)",
@@ -53,9 +52,10 @@ def _log_backend_once(kind: str, backend: str, x) -> None:
 CONV_FN, DELTA_RULE_FN = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"
 
 
-def make_conv_route(original: Callable, backend: str) -> Callable:
+def make_conv_route(original: Callable, backend: str, logged: set[str] | None = None) -> Callable:
     """Wrap ``causal_conv1d_fn``: packed calls never convolve across a boundary."""
     torch_fn = inspect.unwrap(original)
+    logged = set() if logged is None else logged
 
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         seqs, sp = kwargs.pop(PACKED_KWARG, None), kwargs.pop(SP_KWARG, None)
@@ -63,7 +63,7 @@ def make_conv_route(original: Callable, backend: str) -> Callable:
             if PackedForward.depth:
                 raise missing_boundaries_error(causal_conv1d_fn)
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        _log_backend_once("conv", backend, hidden_states)
+        _log_backend_once(logged, "conv", backend, hidden_states)
 
         def conv(x, w, b):
             return linear_attention.causal_conv1d(x, w, b, activation, seqs, backend=backend, torch_fn=torch_fn)
@@ -78,9 +78,10 @@ def make_conv_route(original: Callable, backend: str) -> Callable:
     return causal_conv1d_fn
 
 
-def make_delta_rule_route(original: Callable, backend: str) -> Callable:
+def make_delta_rule_route(original: Callable, backend: str, logged: set[str] | None = None) -> Callable:
     """Wrap ``torch_chunk_gated_delta_rule``: packed calls restart the recurrent state at every boundary."""
     torch_fn = inspect.unwrap(original)
+    logged = set() if logged is None else logged
 
     def torch_chunk_gated_delta_rule(
         query,
@@ -112,7 +113,7 @@ def make_delta_rule_route(original: Callable, backend: str) -> Callable:
             )
         if initial_state is not None or output_final_state:
             raise ValueError("hf_packing runs packed linear attention without a cache (use_cache=False)")
-        _log_backend_once("gated delta rule", backend, query)
+        _log_backend_once(logged, "gated delta rule", backend, query)
 
         def rule(q, k, v, g, beta):
             return linear_attention.gated_delta_rule(
@@ -135,7 +136,8 @@ def linear_patches(module: ModuleType, backend: str) -> list[Patch]:
             f"{module.__name__} has no {missing}: this transformers' linear-attention layer is not the one hf_packing "
             "patches (5.17-5.23); install a supported transformers"
         )
+    logged: set[str] = set()  # the backends logged since this apply
     return [
-        Patch(module, CONV_FN, make_conv_route(getattr(module, CONV_FN), backend)),
-        Patch(module, DELTA_RULE_FN, make_delta_rule_route(getattr(module, DELTA_RULE_FN), backend)),
+        Patch(module, CONV_FN, make_conv_route(getattr(module, CONV_FN), backend, logged)),
+        Patch(module, DELTA_RULE_FN, make_delta_rule_route(getattr(module, DELTA_RULE_FN), backend, logged)),
     ]
