@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .checks import check_processor
 from .data import VISION_KEYS
 from .loss import IGNORE_INDEX
 from .source_ids import SOURCE_ID
@@ -38,57 +39,6 @@ logger = logging.getLogger("hf_packing")
 def _as_long(x: Any) -> torch.Tensor:
     t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
     return t.reshape(-1).long()
-
-
-def is_tokenizer(processor: Any) -> bool:
-    """Whether ``processor`` is a bare tokenizer (no image processor): what ``AutoTokenizer`` or
-    ``processor.tokenizer`` give, where `VisionCollator` and `pack_dataset` need ``AutoProcessor``'s processor."""
-    from transformers import PreTrainedTokenizerBase
-
-    return isinstance(processor, PreTrainedTokenizerBase)
-
-
-def check_processor(processor: Any, config: Any = None, *, where: str = "VisionCollator") -> None:
-    """Raise when ``processor`` cannot serve a Qwen-VL model of ``config``: a tokenizer instead of the processor, or
-    the processor of another family (its image processor cuts other patches than the model's vision tower reads).
-
-    Args:
-        processor: what the user passed (``None`` is not checked).
-        config (`PretrainedConfig`, *optional*): the model's config.
-        where (`str`): the argument's owner, for the message.
-    """
-    if processor is None:
-        return
-    if is_tokenizer(processor):
-        raise ValueError(
-            f"{where} got a tokenizer ({type(processor).__name__}) where the model's processor is needed (its image "
-            "processor and placeholder tokens): pass AutoProcessor.from_pretrained(<the model's checkpoint>), not "
-            "AutoTokenizer / processor.tokenizer"
-        )
-    vision = getattr(config, "vision_config", None)
-    image_processor = getattr(processor, "image_processor", None)
-    if vision is None or image_processor is None:
-        return
-    pairs = (
-        ("patch_size", "patch_size"),
-        ("temporal_patch_size", "temporal_patch_size"),
-        ("merge_size", "spatial_merge_size"),
-    )
-    for ours, theirs in pairs:
-        got, want = getattr(image_processor, ours, None), getattr(vision, theirs, None)
-        if got is not None and want is not None and got != want:
-            raise ValueError(
-                f"{where}: the processor ({type(processor).__name__}, image {ours}={got}) is not this model's "
-                f"({config.model_type}, vision {theirs}={want}); load both from the same checkpoint: "
-                "AutoProcessor.from_pretrained(<the model's checkpoint>)"
-            )
-    for token in ("image_token_id", "video_token_id"):
-        got, want = getattr(processor, token, None), getattr(config, token, None)
-        if got is not None and want is not None and got != want:
-            raise ValueError(
-                f"{where}: the processor's {token}={got} differs from the model's ({config.model_type}: {want}); load "
-                "both from the same checkpoint: AutoProcessor.from_pretrained(<the model's checkpoint>)"
-            )
 
 
 class RopeIndex:

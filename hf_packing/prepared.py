@@ -22,6 +22,7 @@ It also knows whether a prepared Trainer is inside ``train()`` (`training`), so 
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -69,9 +70,7 @@ def check_active_loader(collated: bool) -> None:
         return
     from accelerate.data_loader import DataLoaderDispatcher, IterableDatasetShard
 
-    from .unwrap import packed_dataset
-
-    packs = packed_dataset(loader)
+    packs = _packs(loader, IterableDatasetShard)
     if isinstance(loader, DataLoaderDispatcher) and (collated or packs is not None):
         raise RuntimeError(
             "accelerate dispatches this loader's batches (dispatch_batches, its default for an IterableDataset): it "
@@ -92,6 +91,16 @@ def check_active_loader(collated: bool) -> None:
                 f"packs, stops accelerate's dispatching, reloads checkpoints exactly, evaluates token-level): {_FIX}"
             )
     _CHECKED.add(loader)
+
+
+def _packs(loader: Any, shard_class: type) -> Any:
+    """The `PackedDataset` ``loader`` iterates (directly or in accelerate's shard), else None. `hf_packing.unwrap`
+    does the same, but importing it (and with it the packer) here would close an import cycle through the patches;
+    a `PackedDataset` can only exist once its module is imported, so ``sys.modules`` tells."""
+    stream = sys.modules.get("hf_packing.stream")
+    dataset = getattr(loader, "dataset", None)
+    dataset = dataset.dataset if isinstance(dataset, shard_class) else dataset
+    return dataset if stream is not None and isinstance(dataset, stream.PackedDataset) else None
 
 
 def training_started(trainer: Any) -> None:

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from .balance import WorkCost
+from .checks import check_processor
 from .config import PackingConfig
 from .data import REASONS, Preprocessor
 from .formats import source_formats
@@ -462,6 +463,7 @@ def pack_dataset(
     """
     if config is not None and not isinstance(config, PackingConfig):
         raise TypeError(f"config must be a PackingConfig, got {type(config).__name__}; pass settings as keywords")
+    check_processor(processor, where="pack_dataset")  # a tokenizer: say so, not "no attribute image_token"
     return PackedDataset(
         ds,
         processor,

@@ -194,7 +194,8 @@ def check_setup(trainer: Any, telemetry_kwargs: dict[str, Any] | None = None) ->
     - ``per_device_train_batch_size`` other than `pack_dataset`'s ``batch_size`` (packs per micro-batch);
     - telemetry's ``max_length`` other than the packs' (``pack_fill`` would be off).
     """
-    from .collator import VisionCollator, check_processor, is_tokenizer
+    from .checks import check_processor, is_tokenizer
+    from .collator import VisionCollator
     from .patches import check_attn_implementation, is_patched, supported_model_types
 
     packs = _packed_sets(trainer)

@@ -136,9 +136,12 @@ def test_processor_of_another_family_is_refused_up_front(tmp_path):
 
 
 def test_a_tokenizer_instead_of_the_processor_is_refused(tmp_path):
+    """Before: `Qwen2Tokenizer has no attribute image_token` from inside the preprocessor."""
     tokenizer = load_processor("qwen2_5_vl").tokenizer
-    with pytest.raises(ValueError, match=r"tokenizer \(.*\).*AutoProcessor.from_pretrained"):
+    with pytest.raises(ValueError, match=r"VisionCollator got a tokenizer \(.*\).*AutoProcessor.from_pretrained"):
         VisionCollator(tokenizer)
+    with pytest.raises(ValueError, match=r"pack_dataset got a tokenizer \(.*\).*AutoProcessor.from_pretrained"):
+        _packs(processor=tokenizer)
 
 
 def test_vision_collator_names_the_supported_model_types():
