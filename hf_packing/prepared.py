@@ -81,9 +81,9 @@ def check_active_loader(collated: bool) -> None:
         shard = getattr(loader, "dataset", None)
         if isinstance(shard, IterableDatasetShard) and shard.num_processes > 1:
             raise RuntimeError(
-                f"accelerate's IterableDatasetShard gives this rank every {shard.num_processes}th pack of a "
-                f"pack_dataset stream that is already this rank's share: each rank would train on 1/"
-                f"{shard.num_processes} of its packs. {_FIX}"
+                f"accelerate's IterableDatasetShard keeps 1 of every {shard.num_processes} packs of a pack_dataset "
+                f"stream that is already this rank's share: each rank would train on 1/{shard.num_processes} of its "
+                f"packs. {_FIX}"
             )
         if not getattr(shard, PREPARED_ATTR, False):
             raise RuntimeError(
