@@ -33,7 +33,7 @@ PREPARED_ATTR = "hf_packing_prepared"
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # loaders found fine
 _TRAINING: weakref.WeakSet = weakref.WeakSet()  # prepared Trainers inside train()
 
-_FIX = "call hf_packing.prepare_trainer(trainer) after building the Trainer (before train() / evaluate())"
+_FIX = "Call hf_packing.prepare_trainer(trainer) after building the Trainer (before train() / evaluate())"
 
 
 def mark_prepared(loader: Any) -> Any:
@@ -88,7 +88,7 @@ def check_active_loader(collated: bool) -> None:
         if not getattr(shard, PREPARED_ATTR, False):
             raise RuntimeError(
                 "a Trainer iterates pack_dataset's packs without hf_packing.prepare_trainer (it keeps each rank's "
-                f"packs, stops accelerate's dispatching, reloads checkpoints exactly, evaluates token-level): {_FIX}"
+                f"packs, stops accelerate's dispatching, reloads checkpoints exactly, evaluates token-level). {_FIX}"
             )
     _CHECKED.add(loader)
 

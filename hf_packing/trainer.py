@@ -29,6 +29,10 @@ under several processes (``eval_loss`` 5.2e-4 off the token-level mean on 2 proc
 evaluates every `PackedDataset` through its `~hf_packing.stream.PackedDataset.for_evaluation` view, which spreads
 them, also when the training set itself is evaluated.
 
+Before any data is read, `check_setup` refuses what it can tell is wrong (collator, processor family, model type,
+attention implementation, packs per micro-batch), each error naming the setting. Forgetting `prepare_trainer` is
+loud too: the patched forward refuses packs from a loader it did not prepare (`hf_packing.prepared`).
+
 `prepare_trainer` does all of this and puts the packing telemetry in front of the reporting callbacks.
 """
 
@@ -276,7 +280,5 @@ def prepare_trainer(trainer: Any, *, telemetry: bool = True, **telemetry_kwargs:
     if telemetry:
         from .telemetry import add_telemetry
 
-        if isinstance(trainer.train_dataset, PackedDataset):  # pack_fill is always logged
-            telemetry_kwargs.setdefault("max_length", trainer.train_dataset.cfg.max_length)
         add_telemetry(trainer, **telemetry_kwargs)
     return trainer
