@@ -117,6 +117,10 @@ def fla_linear_ops() -> SimpleNamespace | None:
         _broken("fla (flash-linear-attention)", error, "linear attention runs on the per-sequence reference")
         return None
     if "cu_seqlens" not in inspect.signature(causal_conv1d).parameters:
+        logger.warning(
+            "hf_packing: fla (flash-linear-attention) is installed but its causal_conv1d takes no cu_seqlens (too "
+            "old; pip install 'hf_packing[linear]'); linear attention runs on the per-sequence reference"
+        )
         return None
     return SimpleNamespace(chunk_gated_delta_rule=chunk_gated_delta_rule, causal_conv1d=causal_conv1d)
 
