@@ -242,6 +242,11 @@ def test_a_supervised_call_routed_to_the_original_forward_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(input_ids=batch["input_ids"], use_cache=True, **kwargs)  # once per reason
+        model.eval()
+        model.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"])  # generation-style: no warning
+    model.train()
+    with pytest.warns(UserWarning, match="a training call runs the original .*Model.forward.*inputs_embeds"):
+        model.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"])  # a custom head's, training
 
 
 def test_the_chosen_backends_are_logged_once(caplog):

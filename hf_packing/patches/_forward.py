@@ -18,7 +18,8 @@ from __future__ import annotations
 import inspect
 import typing
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,15 +175,33 @@ def generation_reason(call: dict) -> str:
 _WARNED: set[str] = set()
 
 
+class OriginalForward:
+    """How many top-level forwards run their original code now (a plain counter, as `PackedForward`)."""
+
+    depth = 0
+
+    @classmethod
+    @contextmanager
+    def running(cls) -> Iterator[None]:
+        cls.depth += 1
+        try:
+            yield
+        finally:
+            cls.depth -= 1
+
+
 def warn_supervised_generation_call(model, call: dict) -> None:
-    """Warn once per reason that a call with labels runs the original (padded, unpacked) forward."""
+    """Warn once per reason and class that a training call (with labels; for the backbone, in training mode with
+    gradients) runs the original forward: padded rows, no per-sequence boundaries, transformers' own loss."""
     reason = generation_reason(call)
-    if reason in _WARNED or torch.compiler.is_compiling():
+    key = f"{type(model).__name__}: {reason}"
+    if key in _WARNED or torch.compiler.is_compiling():
         return
-    _WARNED.add(reason)
+    _WARNED.add(key)
+    what = "a call with labels" if hasattr(model, "lm_head") else "a training call"
     warnings.warn(
-        f"hf_packing: a call with labels runs the original {type(model).__name__}.forward (padded rows, no "
-        f"per-sequence boundaries, transformers' own loss) because {reason}",
+        f"hf_packing: {what} runs the original {type(model).__name__}.forward (padded rows, no per-sequence "
+        f"boundaries) because {reason}",
         stacklevel=4,
     )
 
@@ -355,7 +374,10 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
         if is_generation_call(call, generation_like):
             if supervised:
                 warn_supervised_generation_call(self, call)
-            return original(self, *args, **without_packing(kwargs), return_dict=True)
+            if torch.compiler.is_compiling():  # (the counter only quiets a warning, which is eager-only too)
+                return original(self, *args, **without_packing(kwargs), return_dict=True)
+            with OriginalForward.running():  # its backbone call is this call: no second warning
+                return original(self, *args, **without_packing(kwargs), return_dict=True)
         check_active_loader(collated=packing["seqlens"] is not None)  # forgetting prepare_trainer is loud
 
         num_items_in_batch = extra.pop("num_items_in_batch", None)
