@@ -14,8 +14,8 @@ eval and test loaders (and their resume fast-forward copies) under one process, 
   keeps the initial weights and evaluation is not token-level.
 
 Each error names ``hf_packing.prepare_trainer(trainer)``. The check reads Python attributes only (no device sync),
-once per loader object, and is skipped while torch.compile traces. Batches from another collator on a map-style
-dataset, and loops without accelerate, are not checked: nothing there reshards or slices.
+once per loader object, eagerly also under ``torch.compile(model)`` (one graph break). Batches from another collator
+on a map-style dataset, and loops without accelerate, are not checked: nothing there reshards or slices.
 
 It also knows whether a prepared Trainer is inside ``train()`` (`training`), so `revert_rmpad` can refuse then.
 """
@@ -58,13 +58,13 @@ def active_loader() -> Any:
     return None if ref is None else ref()
 
 
+@torch.compiler.disable
 def check_active_loader(collated: bool) -> None:
     """Raise if the loader feeding this packed forward is one `prepare_trainer` would have fixed (module docstring).
 
-    ``collated``: the batch came from `VisionCollator` (it carries ``seqlens``).
+    ``collated``: the batch came from `VisionCollator` (it carries ``seqlens``). Under ``torch.compile(model)``
+    (``TrainingArguments(torch_compile=True)``) it runs eagerly, at the cost of one graph break before the step's work.
     """
-    if torch.compiler.is_compiling():
-        return
     loader = active_loader()
     if loader is None or loader in _CHECKED:
         return
