@@ -82,7 +82,7 @@ def check_active_loader(collated: bool) -> None:
         if isinstance(shard, IterableDatasetShard) and shard.num_processes > 1:
             raise RuntimeError(
                 f"accelerate's IterableDatasetShard keeps 1 of every {shard.num_processes} packs of a pack_dataset "
-                f"stream that is already this rank's share: each rank would train on 1/{shard.num_processes} of its "
+                f"stream that is already this rank's share: each rank would see only 1/{shard.num_processes} of its "
                 f"packs. {_FIX}"
             )
         if not getattr(shard, PREPARED_ATTR, False):
