@@ -463,7 +463,7 @@ def pack_dataset(
     """
     if config is not None and not isinstance(config, PackingConfig):
         raise TypeError(f"config must be a PackingConfig, got {type(config).__name__}; pass settings as keywords")
-    check_processor(processor, where="pack_dataset")  # a tokenizer: say so, not "no attribute image_token"
+    check_processor(processor, model_config, where="pack_dataset")  # a tokenizer or another family: say so
     return PackedDataset(
         ds,
         processor,

@@ -129,6 +129,8 @@ def test_processor_of_another_family_is_refused_up_front(tmp_path):
     wrong = load_processor("qwen3_vl")
     with pytest.raises(ValueError, match="patch_size=16.*patch_size=14.*same checkpoint"):
         VisionCollator(wrong, model_config=model.config)
+    with pytest.raises(ValueError, match="pack_dataset: the processor .* is not this model's"):
+        _packs(processor=wrong, model_config=model.config)
     packs = _packs(processor=wrong)
     collator = VisionCollator(wrong)  # no model_config: nothing to compare with here
     with pytest.raises(ValueError, match="pack_dataset: the processor .* is not this model's"):
