@@ -68,29 +68,43 @@ def check_active_loader(collated: bool) -> None:
     loader = active_loader()
     if loader is None or loader in _CHECKED:
         return
+    problem = _loader_problem(loader, collated)
+    if problem is not None:
+        # the raise ends this loop, but accelerate forgets a loader only when its iteration ends: a later forward
+        # outside any loop (a quick check after fixing the Trainer) must not be refused for this one
+        from accelerate.state import GradientState
+
+        GradientState()._remove_dataloader(loader)
+        raise RuntimeError(problem)
+    _CHECKED.add(loader)
+
+
+def _loader_problem(loader: Any, collated: bool) -> str | None:
+    """What is wrong with feeding packed forwards from ``loader`` (see the module docstring), or None."""
     from accelerate.data_loader import DataLoaderDispatcher, IterableDatasetShard
 
     packs = _packs(loader, IterableDatasetShard)
     if isinstance(loader, DataLoaderDispatcher) and (collated or packs is not None):
-        raise RuntimeError(
+        return (
             "accelerate dispatches this loader's batches (dispatch_batches, its default for an IterableDataset): it "
             "slices every tensor of a packed batch to the batch size (cu_seqlens, pixel_values, position_ids). "
             f"{_FIX}; in your own accelerate loop: DataLoaderConfiguration(dispatch_batches=False, split_batches=False)"
         )
-    if packs is not None:
-        shard = getattr(loader, "dataset", None)
-        if isinstance(shard, IterableDatasetShard) and shard.num_processes > 1:
-            raise RuntimeError(
-                f"accelerate's IterableDatasetShard keeps 1 of every {shard.num_processes} packs of a pack_dataset "
-                f"stream that is already this rank's share: each rank would see only 1/{shard.num_processes} of its "
-                f"packs. {_FIX}"
-            )
-        if not getattr(shard, PREPARED_ATTR, False):
-            raise RuntimeError(
-                "a Trainer iterates pack_dataset's packs without hf_packing.prepare_trainer (it keeps each rank's "
-                f"packs, stops accelerate's dispatching, reloads checkpoints exactly, evaluates token-level). {_FIX}"
-            )
-    _CHECKED.add(loader)
+    if packs is None:
+        return None
+    shard = getattr(loader, "dataset", None)
+    if isinstance(shard, IterableDatasetShard) and shard.num_processes > 1:
+        return (
+            f"accelerate's IterableDatasetShard keeps 1 of every {shard.num_processes} packs of a pack_dataset "
+            f"stream that is already this rank's share: each rank would see only 1/{shard.num_processes} of its "
+            f"packs. {_FIX}"
+        )
+    if not getattr(shard, PREPARED_ATTR, False):
+        return (
+            "a Trainer iterates pack_dataset's packs without hf_packing.prepare_trainer (it keeps each rank's "
+            f"packs, stops accelerate's dispatching, reloads checkpoints exactly, evaluates token-level). {_FIX}"
+        )
+    return None
 
 
 def _packs(loader: Any, shard_class: type) -> Any:

@@ -81,6 +81,9 @@ def test_a_trainer_without_prepare_trainer_stops_at_its_first_step(tmp_path, acc
     assert "prepare_trainer(trainer)" in str(error.value)
     assert trainer.state.global_step == 0 and all(torch.equal(p, before[n]) for n, p in _weights(model).items())
 
+    model.train()
+    model(**VisionCollator(trainer.train_dataset.processor)(next(iter(_packs()))[:1]))  # the failed loop is forgotten
+
     prepared = prepare_trainer(_trainer(tmp_path / "prepared", model, _packs(), **extra))
     prepared.train()
     assert prepared.state.global_step == 2
