@@ -9,8 +9,19 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 from functools import cache
 from types import ModuleType, SimpleNamespace
+
+logger = logging.getLogger("hf_packing")
+
+
+def _broken(package: str, error: BaseException, instead: str) -> None:
+    """Log, once per package (the probes are cached), that an installed optional kernel failed to import."""
+    logger.warning(
+        "hf_packing: %s is installed but failed to import (%s: %s); %s", package, type(error).__name__, error, instead
+    )
+
 
 #: transformers versions the patches are tested against (inclusive lower, exclusive upper bound).
 SUPPORTED_TRANSFORMERS = ("5.17", "5.24")
@@ -51,7 +62,8 @@ def flash_attn_varlen_module() -> ModuleType | None:
             continue
         try:
             module = importlib.import_module(name)
-        except Exception:  # a broken CUDA build raises at import; treat it as absent
+        except Exception as error:  # a broken CUDA build raises at import; treat it as absent, and say so
+            _broken(name, error, "attention runs on the next backend (torch_varlen, then reference)")
             continue
         if hasattr(module, "flash_attn_varlen_func"):
             return module
@@ -82,7 +94,8 @@ def liger_fused_linear_cross_entropy():
         return None
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-    except Exception:
+    except Exception as error:
+        _broken("liger_kernel", error, "the loss runs on the chunked PyTorch path")
         return None
     return liger_fused_linear_cross_entropy
 
@@ -100,9 +113,14 @@ def fla_linear_ops() -> SimpleNamespace | None:
     try:
         from fla.modules.convolution import causal_conv1d
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except Exception:  # no Triton, no GPU driver, or an incompatible torch: treat it as absent
+    except Exception as error:  # no Triton, no GPU driver, or an incompatible torch: treat it as absent, and say so
+        _broken("fla (flash-linear-attention)", error, "linear attention runs on the per-sequence reference")
         return None
     if "cu_seqlens" not in inspect.signature(causal_conv1d).parameters:
+        logger.warning(
+            "hf_packing: fla (flash-linear-attention) is installed but its causal_conv1d takes no cu_seqlens (too "
+            "old; pip install 'hf_packing[linear]'); linear attention runs on the per-sequence reference"
+        )
         return None
     return SimpleNamespace(chunk_gated_delta_rule=chunk_gated_delta_rule, causal_conv1d=causal_conv1d)
 

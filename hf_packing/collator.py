@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .checks import check_processor
 from .data import VISION_KEYS
 from .loss import IGNORE_INDEX
 from .source_ids import SOURCE_ID
@@ -48,8 +49,15 @@ class RopeIndex:
     """
 
     def __init__(self, config) -> None:
+        from .patches import supported_model_types
         from .patches._spec import FAMILIES
 
+        if getattr(config, "model_type", None) not in FAMILIES:
+            raise ValueError(
+                f"VisionCollator(model_config=...) got a {getattr(config, 'model_type', type(config).__name__)!r} "
+                f"config; it computes M-RoPE positions for {supported_model_types()}: pass the Qwen-VL model's "
+                "config (model.config)"
+            )
         spec = FAMILIES[config.model_type]
         self.config = config
         self._cls = getattr(spec.load(), spec.backbone_class)
@@ -120,7 +128,9 @@ class VisionCollator:
             raise ValueError(f"mode must be 'rows' or 'flat', got {mode!r}")
         if mode == "flat" and model_config is None:
             raise ValueError("mode='flat' needs model_config=model.config to compute per-sample M-RoPE position ids")
+        check_processor(processor, model_config)
         tokenizer = getattr(processor, "tokenizer", processor)
+        self.processor = processor  # for prepare_trainer's check against the model (`check_processor`)
         self.mode = mode
         self.pad_token_id = pad_token_id if pad_token_id is not None else getattr(tokenizer, "pad_token_id", None) or 0
         self.padding_side = padding_side or getattr(tokenizer, "padding_side", "right")

@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from .balance import WorkCost
+from .checks import check_processor
 from .config import PackingConfig
 from .data import REASONS, Preprocessor
 from .formats import FEATURES, source_formats
@@ -480,6 +481,7 @@ def pack_dataset(
     """
     if config is not None and not isinstance(config, PackingConfig):
         raise TypeError(f"config must be a PackingConfig, got {type(config).__name__}; pass settings as keywords")
+    check_processor(processor, model_config, where="pack_dataset")  # a tokenizer or another family: say so
     return PackedDataset(
         ds,
         processor,

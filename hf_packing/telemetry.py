@@ -170,7 +170,8 @@ class PackingTelemetry(TrainerCallback):
     """Log packing efficiency and MFU; see the module docstring for the keys and the FLOP formula.
 
     Args:
-        max_length (`int`, *optional*): the packer's token budget; enables ``pack_fill``.
+        max_length (`int`, *optional*): the packer's token budget; enables ``pack_fill`` (`add_telemetry` reads it
+            from a `pack_dataset` training set).
         peak_tflops (`float`, *optional*): per-device peak; default from the CUDA device name.
         dataset (*optional*): an object with ``stats()`` (e.g. `pack_dataset`'s); enables ``dropped_samples``.
         model_flops (`ModelFlops`, *optional*): override the parameter counts read from the model.
@@ -428,10 +429,14 @@ def add_telemetry(trainer: Any, **kwargs: Any) -> PackingTelemetry:
     """Create a `PackingTelemetry` and put it first in ``trainer.callback_handler.callbacks``.
 
     First, so that its keys are in ``logs`` before the reporting callbacks (WandB, TensorBoard, ...) run.
-    ``dataset`` defaults to ``trainer.train_dataset`` when that has ``stats()``. Returns the callback.
+    ``dataset`` defaults to ``trainer.train_dataset`` when that has ``stats()``, and ``max_length`` to its packing
+    config's (a `pack_dataset` set), so ``pack_fill`` is logged without it. Returns the callback.
     """
     if "dataset" not in kwargs and hasattr(trainer.train_dataset, "stats"):
         kwargs["dataset"] = trainer.train_dataset
+    packed_length = getattr(getattr(trainer.train_dataset, "cfg", None), "max_length", None)
+    if kwargs.get("max_length") is None and isinstance(packed_length, int):
+        kwargs["max_length"] = packed_length
     callback = PackingTelemetry(**kwargs)
     trainer.callback_handler.callbacks.insert(0, callback)
     return callback

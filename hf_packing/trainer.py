@@ -29,17 +29,25 @@ under several processes (``eval_loss`` 5.2e-4 off the token-level mean on 2 proc
 evaluates every `PackedDataset` through its `~hf_packing.stream.PackedDataset.for_evaluation` view, which spreads
 them, also when the training set itself is evaluated.
 
+Before any data is read, `check_setup` refuses what it can tell is wrong (collator, processor family, model type,
+attention implementation, packs per micro-batch), each error naming the setting. Forgetting `prepare_trainer` is
+loud too: the patched forward refuses packs from a loader it did not prepare (`hf_packing.prepared`).
+
 `prepare_trainer` does all of this and puts the packing telemetry in front of the reporting callbacks.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .prepared import mark_prepared, training_ended, training_started
 from .stream import PackedDataset
-from .unwrap import packed_dataset
+from .unwrap import base_model, packed_dataset
+
+logger = logging.getLogger("hf_packing")
 
 
 def keep_rank_packs(trainer: Any) -> Any:
@@ -80,7 +88,7 @@ def _unsharded(get_dataloader: Callable[..., Any]) -> Callable[..., Any]:
         shard = getattr(loader, "dataset", None)
         if packed_dataset(loader) not in (None, shard):  # accelerate's IterableDatasetShard around our packs
             shard.num_processes, shard.process_index = 1, 0
-        return loader
+        return mark_prepared(loader)  # the patched forward refuses packs from a loader without this mark
 
     return wrapped
 
@@ -90,21 +98,39 @@ def reload_checkpoints_with_key_conversion(trainer: Any) -> Any:
 
     Only for a plain (non-PEFT) model of a supported family and a checkpoint holding full ``model.safetensors``
     weights; sharded FSDP / DeepSpeed checkpoints and adapters keep the Trainer's own path. Costs one extra
-    copy of the model in host memory, once, at resume. Returns ``trainer``.
+    copy of the model in host memory, once, at resume. The Trainer's non-strict load before it lists the keys it
+    could not match ("missing keys" / "unexpected keys", on every rank); those lists are dropped when the exact
+    reload follows, and one line says what was reloaded instead. Returns ``trainer``.
     """
     original = trainer._load_from_checkpoint
 
     def _load_from_checkpoint(resume_from_checkpoint: str, model: Any = None) -> None:
-        original(resume_from_checkpoint, model=model)
         target = model if model is not None else trainer.model
         target = getattr(target, "module", target)
-        _reload_full_weights(target, Path(resume_from_checkpoint))
+        checkpoint = Path(resume_from_checkpoint)
+        exact = _has_full_weights(target, checkpoint)
+        if exact:  # its key lists describe the non-strict load that the exact reload below replaces
+            trainer._issue_warnings_after_load = lambda load_result: None
+        try:
+            original(resume_from_checkpoint, model=model)
+        finally:
+            trainer.__dict__.pop("_issue_warnings_after_load", None)
+        if exact:
+            count = _reload_full_weights(target, checkpoint)
+            if trainer.is_world_process_zero():
+                logger.info(
+                    "resumed from %s: all %d weight tensors reloaded exactly (strict, with the model's own key "
+                    "conversion; transformers' non-strict load matched only part of them)",
+                    checkpoint,
+                    count,
+                )
 
     trainer._load_from_checkpoint = _load_from_checkpoint
     return trainer
 
 
-def _reload_full_weights(model: Any, checkpoint: Path) -> None:
+def _has_full_weights(model: Any, checkpoint: Path) -> bool:
+    """Whether `_reload_full_weights` applies: a plain supported model and full safetensors weights."""
     from transformers import PreTrainedModel
 
     from .patches import supported_model_types
@@ -112,12 +138,17 @@ def _reload_full_weights(model: Any, checkpoint: Path) -> None:
     has_full_weights = (checkpoint / "model.safetensors").exists() or (
         checkpoint / "model.safetensors.index.json"
     ).exists()
-    if not (
+    return (
         isinstance(model, PreTrainedModel) and model.config.model_type in supported_model_types() and has_full_weights
-    ):
-        return
+    )
+
+
+def _reload_full_weights(model: Any, checkpoint: Path) -> int:
+    """Load ``checkpoint`` through ``from_pretrained`` and copy it into ``model`` strictly; returns the tensor count."""
     loaded = type(model).from_pretrained(checkpoint, dtype=model.dtype, attn_implementation="sdpa")
-    model.load_state_dict(loaded.state_dict(), strict=True)
+    state = loaded.state_dict()
+    model.load_state_dict(state, strict=True)
+    return len(state)
 
 
 def no_dispatch(trainer: Any) -> Any:
@@ -141,19 +172,111 @@ def refuse_liger_kernel(trainer: Any) -> Any:
     return trainer
 
 
+def _collators(collator: Any) -> list[Any]:
+    """``collator`` and what it wraps (``.collator``, ``.data_collator``, ``__wrapped__``), outermost first."""
+    found = []
+    while collator is not None and len(found) < 4:
+        found.append(collator)
+        collator = next(
+            (getattr(collator, a) for a in ("collator", "data_collator", "__wrapped__") if hasattr(collator, a)), None
+        )
+    return found
+
+
+def _packed_sets(trainer: Any) -> list[PackedDataset]:
+    eval_sets = trainer.eval_dataset.values() if isinstance(trainer.eval_dataset, dict) else [trainer.eval_dataset]
+    return [d for d in (trainer.train_dataset, *eval_sets) if isinstance(d, PackedDataset)]
+
+
+def check_setup(trainer: Any, telemetry_kwargs: dict[str, Any] | None = None) -> None:
+    """Raise, before any data or step, for what `prepare_trainer` can tell is wrong; each error names the setting.
+
+    - packs from `pack_dataset` with another ``data_collator`` than `VisionCollator` (or a wrapper of one);
+    - the processor (`pack_dataset`'s, ``processing_class``) of another family than the model, or a tokenizer;
+    - packs for a model type `apply_rmpad` does not support;
+    - a patched model loaded with an attention implementation the patches do not route (``eager``, flex);
+    - ``per_device_train_batch_size`` other than `pack_dataset`'s ``batch_size`` (packs per micro-batch);
+    - telemetry's ``max_length`` other than the packs' (``pack_fill`` would be off).
+    """
+    from .checks import check_processor, is_tokenizer
+    from .collator import VisionCollator
+    from .patches import check_attn_implementation, is_patched, supported_model_types
+
+    packs = _packed_sets(trainer)
+    model = None if trainer.model is None else base_model(trainer.model)
+    config = getattr(model, "config", None)
+    collators = _collators(trainer.data_collator)
+    if packs and not any(isinstance(c, VisionCollator) for c in collators):
+        raise ValueError(
+            f"the Trainer's data_collator is {type(trainer.data_collator).__name__}, but its dataset is a "
+            "pack_dataset stream (each item a list of samples): pass data_collator=VisionCollator(processor, "
+            "model_config=model.config) to the Trainer"
+        )
+    if packs and config is not None and config.model_type not in supported_model_types():
+        raise ValueError(
+            f"the model is a {config.model_type!r} model; pack_dataset and VisionCollator train "
+            f"{supported_model_types()}: load a Qwen-VL checkpoint"
+        )
+    processors = [(p.processor, "pack_dataset") for p in packs[:1]]
+    processors += [(c.processor, "VisionCollator") for c in collators if isinstance(c, VisionCollator)]
+    processing_class = getattr(trainer, "processing_class", None)
+    if processing_class is not None and not is_tokenizer(processing_class):  # a text trainer's tokenizer is fine
+        processors.append((processing_class, "the Trainer's processing_class"))
+    for processor, where in processors:
+        check_processor(processor, config, where=where)
+    if model is not None and is_patched(model):
+        check_attn_implementation(config)  # at prepare time, not at the first step after loading everything
+    train = trainer.train_dataset if isinstance(trainer.train_dataset, PackedDataset) else None
+    asked = trainer.args.per_device_train_batch_size
+    if train is not None and asked != train.cfg.batch_size:
+        raise ValueError(
+            f"per_device_train_batch_size={asked}, but pack_dataset was built with batch_size={train.cfg.batch_size}: "
+            f"each item of the stream is one pack of up to max_length={train.cfg.max_length} tokens, so every "
+            f"micro-batch would hold {asked} packs. Set per_device_train_batch_size={train.cfg.batch_size} (for more "
+            "tokens per step raise max_length or gradient_accumulation_steps), or pack_dataset(..., "
+            "batch_size=per_device_train_batch_size)"
+        )
+    given = (telemetry_kwargs or {}).get("max_length")
+    if train is not None and given is not None and given != train.cfg.max_length:
+        raise ValueError(
+            f"prepare_trainer(max_length={given}) differs from the packs' max_length={train.cfg.max_length}; "
+            "leave it out: prepare_trainer reads it from the packed dataset"
+        )
+
+
+def track_training(trainer: Any) -> Any:
+    """Record while ``trainer.train()`` runs, so `hf_packing.revert_rmpad` can refuse mid-run. Returns ``trainer``."""
+    train = trainer.train
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        training_started(trainer)
+        try:
+            return train(*args, **kwargs)
+        finally:
+            training_ended(trainer)
+
+    trainer.train = wrapped
+    return trainer
+
+
 def prepare_trainer(trainer: Any, *, telemetry: bool = True, **telemetry_kwargs: Any) -> Any:
-    """`refuse_liger_kernel`, `keep_rank_packs`, `spread_eval_packs`, `no_dispatch`,
-    `reload_checkpoints_with_key_conversion`, `hf_packing.evaluation.token_level_evaluation` and, unless
-    ``telemetry=False``,
-    `hf_packing.telemetry.add_telemetry`. Returns ``trainer``."""
+    """`check_setup`, `refuse_liger_kernel`, `keep_rank_packs`, `spread_eval_packs`, `no_dispatch`,
+    `reload_checkpoints_with_key_conversion`, `hf_packing.evaluation.token_level_evaluation`, `track_training` and,
+    unless ``telemetry=False``, `hf_packing.telemetry.add_telemetry` (``max_length`` defaults to the packs').
+    Returns ``trainer``.
+
+    Forgetting it is loud: a patched forward fed `pack_dataset`'s packs from a loader it did not prepare, or fed
+    `VisionCollator` batches that accelerate dispatches, raises at the first step (`hf_packing.prepared`)."""
     from .evaluation import token_level_evaluation
 
+    check_setup(trainer, telemetry_kwargs)
     refuse_liger_kernel(trainer)
     keep_rank_packs(trainer)
     spread_eval_packs(trainer)  # wraps keep_rank_packs' loaders: the view is unsharded too
     no_dispatch(trainer)
     reload_checkpoints_with_key_conversion(trainer)
     token_level_evaluation(trainer)
+    track_training(trainer)
     if telemetry:
         from .telemetry import add_telemetry
 

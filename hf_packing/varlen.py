@@ -322,6 +322,15 @@ def kernel_input_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     return next((t.dtype for t in (v, q, k) if t.dtype in KERNEL_DTYPES), None)
 
 
+def effective_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The backend `varlen_attention` runs for these inputs: `resolve_backend`, then ``reference`` under ``auto`` for
+    fp32 inputs with autocast off (a forced kernel raises there instead)."""
+    name = resolve_backend(backend, q.device)
+    if name != "reference" and backend == "auto" and kernel_input_dtype(q, k, v) is None:
+        return "reference"
+    return name
+
+
 def varlen_attention(
     q,
     k,

@@ -6,7 +6,8 @@ CONFIG.json (written by the test): ``model`` (a `save_tiny_checkpoint` dir); ``d
 `pack_dataset` split by rank, ``leftovers="spread"`` unless ``default_leftovers``);
 ``lengths`` (the max_lengths the eval set is packed at, each
 evaluated with metric prefix ``eval_<max_length>``); ``keep_eval_packs`` (false: undo `keep_rank_packs` for
-evaluation only, the negative control); ``patched`` (`apply_rmpad` before loading); ``precisions`` (optional, default
+evaluation only, the negative control: a patched model refuses the re-sharded loader, its error goes to ``errors``
+{prefix: message}); ``patched`` (`apply_rmpad` before loading); ``precisions`` (optional, default
 ``["fp32"]``: ``"bf16"`` loads bf16 weights, ``"autocast"`` fp32 weights with ``TrainingArguments(bf16=True)``; other
 than fp32 the prefix gets ``_<precision>``); ``loss_only`` (optional: each set is evaluated again without
 ``compute_metrics``, prefix ``..._loss_only``, and, with ``"autocast"``, once more without the recorded token counts,
@@ -51,7 +52,7 @@ def main() -> None:
     def compute_metrics(prediction):
         return {"label_tokens": int((prediction.label_ids != -100).sum())}
 
-    evaluated, metrics = {}, {}
+    evaluated, metrics, errors = {}, {}, {}
     for precision in config.get("precisions", ["fp32"]):
         args = TrainingArguments(
             output_dir=config["output_dir"],
@@ -106,6 +107,11 @@ def main() -> None:
                         result = trainer.evaluate(metric_key_prefix=prefix)
                     else:
                         result = trainer.evaluate(eval_dataset=packs, metric_key_prefix=prefix)
+                except RuntimeError as error:  # the patched forward refuses the re-sharded eval loader
+                    if config["keep_eval_packs"]:
+                        raise
+                    errors[prefix] = str(error)
+                    continue
                 finally:
                     hf_packing.evaluation.recording_token_counts = recording
                 evaluated[prefix] = [call["indices"] for call in collator.calls]
@@ -115,7 +121,8 @@ def main() -> None:
     torch.distributed.barrier()
     out = Path(config["out"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "evaluated": evaluated, "metrics": metrics}))
+    result = {"rank": rank, "evaluated": evaluated, "metrics": metrics, "errors": errors}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
     hf_packing.end_distributed()  # barrier, gc, destroy_process_group: no abort at interpreter exit
 
 

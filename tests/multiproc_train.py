@@ -14,6 +14,8 @@ CONFIG.json (written by the test):
     stateful      resume through accelerate's StatefulDataLoader and `PackedDataset.state_dict` (see below)
     mix           {name: parquet files}: a `{name: dataset}` mix instead of `data` (per-source loss logging)
     grad_accum    gradient_accumulation_steps (default 1); telemetry_all_reduce: `PackingTelemetry(all_reduce=)`
+    unprepared_first  first train a Trainer without `prepare_trainer` (dispatching off, as recipes/README.md lists),
+                  which must stop at its first step; its error goes to rank{r}.json's `unprepared_error`
     pg_timeout    process-group timeout in seconds (a rank waiting in a collective fails after it)
 
 rank{r}.json: `global_step`; `collated` (per collator call: the samples' `index` and a hash of the batch);
@@ -169,6 +171,11 @@ def main() -> None:
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / f"hf_packing_loader_rank{rank}.pt"
             torch.save(train_dataloader.state_dict(), path)
 
+    unprepared_error = None
+    if config.get("unprepared_first"):
+        fresh = pack_dataset(ds, processor, max_length=config["max_length"], disable_progress=True, **split)
+        unprepared_error = train_without_prepare_trainer(model, args, fresh, VisionCollator(processor))
+
     trainer = RecordingTrainer(
         model=model,
         args=args,
@@ -191,11 +198,33 @@ def main() -> None:
         "trained": trained,
         "log_history": trainer.state.log_history,
         "stats": packs.stats(log=False),
+        "unprepared_error": unprepared_error,
         "fsdp_version": getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", None),
         "sharded": type(next(trainer.model.parameters())).__name__,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     hf_packing.end_distributed()  # barrier, gc, destroy_process_group: no abort at interpreter exit
+
+
+def train_without_prepare_trainer(model: Any, args: Any, packs: Any, collator: Any) -> str | None:
+    """A Trainer on `pack_dataset`'s packs without `prepare_trainer`: before the check in `hf_packing.prepared`, each
+    rank trained on every other pack of its stream and exited 0. Returns the error its first step raised (None if it
+    trained), after checking the model took no optimizer step."""
+    import gc
+
+    from transformers import Trainer
+
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(model=model, args=args, train_dataset=packs, data_collator=collator)
+    try:
+        trainer.train()
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    assert trainer.state.global_step == 0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    del trainer
+    gc.collect()  # its DDP wrapper (and reducer) go before the prepared Trainer wraps the model again
+    return message
 
 
 def fsdp2_on_cpu(trainer: Any) -> None:

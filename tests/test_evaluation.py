@@ -394,8 +394,8 @@ def test_two_processes_evaluate_every_pack_once_and_match_one_process(
 ):
     """2 gloo processes, the eval set packed at two max_lengths: each pack is evaluated by exactly one rank, and
     eval_loss equals the one-process token-level reference; compute_metrics gets every label once. Negative control:
-    without the eval half of `keep_rank_packs` accelerate re-shards each rank's stream (packs skipped), eval_loss
-    moves."""
+    without the eval half of `keep_rank_packs` accelerate re-shards each rank's stream: unpatched, packs are skipped
+    and eval_loss moves; patched, the forward refuses the re-sharded loader, naming `prepare_trainer` (issue 31)."""
     runs = {
         fix: _two_process_eval(
             tmp_path / f"fix{fix}",
@@ -410,13 +410,11 @@ def test_two_processes_evaluate_every_pack_once_and_match_one_process(
     }
     for max_length in LENGTHS:
         key = f"eval_{max_length}"
-        (r0, r1), broken = runs[True], runs[False][0]["metrics"]
-        evaluated, unfixed = _evaluated(runs[True], key), _evaluated(runs[False], key)
-        loss = r0["metrics"][f"{key}_loss"]
+        r0, r1 = runs[True]
+        evaluated, loss = _evaluated(runs[True], key), r0["metrics"][f"{key}_loss"]
         print(
             f"max_length {max_length}: {len(r0['evaluated'][key])}+{len(r1['evaluated'][key])} packs, eval_loss "
-            f"{loss:.6f} (reference {reference['loss']:.6f}); without the fix {len(unfixed)} of {len(evaluated)} "
-            f"samples evaluated, eval_loss {broken[f'{key}_loss']:.6f}"
+            f"{loss:.6f} (reference {reference['loss']:.6f})"
         )
         assert evaluated == reference["indices"]  # every sample once, over both ranks
         assert all(r0["metrics"][k] == r1["metrics"][k] for k in r0["metrics"])
@@ -425,7 +423,15 @@ def test_two_processes_evaluate_every_pack_once_and_match_one_process(
         assert r0["metrics"][f"{key}_label_tokens"] == reference["n"]  # compute_metrics got every pack's labels once
     # At 256 each rank has 4 packs; accelerate's re-sharding keeps every second one (at 1024 each rank has one).
     key = f"eval_{LENGTHS[0]}"
-    assert _evaluated(runs[False], key) != reference["indices"] and broken[f"{key}_label_tokens"] < reference["n"]
+    if patched:
+        for rank in runs[False]:
+            print(f"rank {rank['rank']} without the fix: {rank['errors'][key]}")
+            assert "keeps 1 of every 2 packs" in rank["errors"][key] and "prepare_trainer" in rank["errors"][key]
+        return
+    broken = runs[False][0]["metrics"]
+    unfixed = _evaluated(runs[False], key)
+    print(f"without the fix {len(unfixed)} of {len(reference['indices'])} samples, eval_loss {broken[f'{key}_loss']}")
+    assert unfixed != reference["indices"] and broken[f"{key}_label_tokens"] < reference["n"]
     assert _rel(broken[f"{key}_loss"], reference["loss"]) > REL
 
 

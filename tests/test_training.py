@@ -284,10 +284,10 @@ def test_prepare_trainer_restores_every_weight_on_resume(uneven_run, tiny_model,
 
 
 # ------------------------------------------------------------------------------------------ per-source loss logging
-def _per_source_run(tiny_model, split_data, work, all_reduce: bool) -> list[dict]:
+def _per_source_run(tiny_model, split_data, work, all_reduce: bool, **config) -> list[dict]:
     mix = {"text": split_data["0"], "images": split_data["1"]}
     proc, results, seconds = launch(
-        work, 240, model=str(tiny_model), mix=mix, max_steps=3, grad_accum=2, telemetry_all_reduce=all_reduce
+        work, 240, model=str(tiny_model), mix=mix, max_steps=3, grad_accum=2, telemetry_all_reduce=all_reduce, **config
     )
     check_ok(proc, results, seconds, f"per-source logging, all_reduce={all_reduce}")
     return results
@@ -311,7 +311,10 @@ def _weighted_gaps(log_history: list[dict]) -> list[float]:
 def test_per_source_losses_average_to_the_logged_loss(tiny_model, split_data, tmp_path):
     """A two-source mix, 2 processes, gradient accumulation 2, a log every step: the token-weighted mean of
     ``loss/<source>`` equals the Trainer's logged ``loss`` of each window, and both ranks trained both sources.
-    Negative control: with the telemetry's all-reduce off, rank 0's own per-source numbers do not average to it."""
+    Negative control: with the telemetry's all-reduce off, rank 0's own per-source numbers do not average to it.
+
+    The second launch also checks that forgetting `prepare_trainer` under torchrun stops every rank at its first
+    step with an error naming it (no extra launch: the suite stays as fast)."""
     r0, _ = _per_source_run(tiny_model, split_data, tmp_path / "reduced", all_reduce=True)
     gaps = _weighted_gaps(r0["log_history"])
     print(f"largest relative gap {max(gaps):.1e}")
@@ -319,7 +322,14 @@ def test_per_source_losses_average_to_the_logged_loss(tiny_model, split_data, tm
     logged = [h for h in r0["log_history"] if "loss" in h and "train_runtime" not in h]
     for s in ("text", "images"):
         assert all(f"token_accuracy/{s}" in h and h[f"supervised_tokens/{s}"] > 0 for h in logged)
-    local, _ = _per_source_run(tiny_model, split_data, tmp_path / "local", all_reduce=False)
+    local, local1 = _per_source_run(tiny_model, split_data, tmp_path / "local", all_reduce=False, unprepared_first=True)
     local_gaps = _weighted_gaps(local["log_history"])
     print(f"rank 0 alone: largest relative gap {max(local_gaps):.1e}")
     assert max(local_gaps) > 1e-4  # 10x the tolerance above
+    # issue 31, in the same launch: before it, each process trained a Trainer without prepare_trainer (dispatching off,
+    # as recipes/README.md lists), which used to train every other pack of each rank's stream and exit 0
+    for rank in (local, local1):
+        print(f"rank {rank['rank']} without prepare_trainer: {rank['unprepared_error']}")
+        assert "keeps 1 of every 2 packs" in rank["unprepared_error"]
+        assert "prepare_trainer(trainer)" in rank["unprepared_error"]
+        assert rank["global_step"] == 3  # negative control: prepared, the same processes, model and stream train

@@ -15,14 +15,25 @@ from collections.abc import Iterable
 
 from .. import _compat
 from ..linear_attention import LINEAR_BACKENDS
+from ..prepared import training
 from ..sequence_parallel_state import SequenceParallelState
 from ..varlen import BACKENDS
 from ._attention import WRAPPED_IMPLEMENTATIONS, make_dispatcher, make_vision_flash_check
 from ._backbone import make_backbone_forward
-from ._forward import RmpadOptions, make_rmpad_forward
+from ._forward import RmpadOptions, check_attn_implementation, make_rmpad_forward
 from ._linear import linear_patches
 from ._patcher import Patch, PatchSet, RegistryPatch
 from ._spec import FAMILIES, FamilySpec
+
+__all__ = [
+    "apply_rmpad",
+    "check_attn_implementation",
+    "is_applied",
+    "is_patched",
+    "revert_rmpad",
+    "sequence_parallel_state",
+    "supported_model_types",
+]
 
 _PATCHES = PatchSet()
 _REGISTRY_GROUP = "attention-registry"
@@ -155,8 +166,16 @@ def apply_rmpad(
 
 
 def revert_rmpad(model_type: str | Iterable[str] | None = None) -> None:
-    """Undo `apply_rmpad` for the given families (all by default); the original functions come back (``is``)."""
+    """Undo `apply_rmpad` for the given families (all by default); the original functions come back (``is``).
+
+    Refused while a Trainer prepared by `hf_packing.prepare_trainer` is inside ``train()``: its next steps would
+    run the unpatched forward on packed batches."""
     names = _normalise(model_type)
+    if training() and any(_PATCHES.is_applied(n) for n in names):
+        raise RuntimeError(
+            "revert_rmpad() while Trainer.train() runs would train the next steps unpatched (packed batches through "
+            "the original forward); call it after train() returns"
+        )
     remaining = [n for n in _PATCHES.active() if n in FAMILIES and n not in names]
     _rebuild(remaining, _PATCHES.options(_REGISTRY_GROUP))
 

@@ -14,6 +14,7 @@ depends on a config switch that gradient checkpointing's recomputation could mis
 from __future__ import annotations
 
 import contextvars
+import logging
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +22,9 @@ from contextlib import contextmanager
 import torch
 
 from ..sequence_parallel_comm import SP_KWARG, ulysses_attention
-from ..varlen import PackedSequences, varlen_attention
+from ..varlen import PackedSequences, effective_backend, varlen_attention
+
+logger = logging.getLogger("hf_packing")
 
 #: kwarg that carries the text stream's `PackedSequences` from the patched forward down to attention.
 PACKED_KWARG = "hf_packing_seqs"
@@ -60,6 +63,35 @@ def _known_seqlens(cu_seqlens: torch.Tensor) -> list[int] | None:
     return seqlens
 
 
+class PackedForward:
+    """How many packed forwards are running (`inside_packed_forward`): a plain counter, which torch.compile reads
+    as a constant (a ``ContextVar`` would break ``fullgraph`` compilation of the decoder layers)."""
+
+    depth = 0
+
+
+@contextmanager
+def inside_packed_forward() -> Iterator[None]:
+    """Inside the block a patched text attention call without the pack's boundaries raises (`make_dispatcher`):
+    the original attention would see one flat row of several samples without a mask, and attend across them."""
+    PackedForward.depth += 1
+    try:
+        yield
+    finally:
+        PackedForward.depth -= 1
+
+
+def missing_boundaries_error(caller: object) -> RuntimeError:
+    """The error for a call from ``caller`` (an attention module or a linear-attention op) that lost the boundaries."""
+    name = caller.__name__ if callable(caller) and not isinstance(caller, torch.nn.Module) else type(caller).__name__
+    return RuntimeError(
+        f"{name} was called inside a packed forward without the pack's boundaries "
+        f"({PACKED_KWARG!r} did not reach it): the original attention would attend across the samples of the flat "
+        "row. Something between the decoder layer and its attention dropped the keyword arguments (a wrapper, hook "
+        "or custom layer that does not pass **kwargs on); pass them through"
+    )
+
+
 class _VisionBoundaries:
     """Host-side `PackedSequences` of the vision tower's ``cu_seqlens``, once per tensor.
 
@@ -89,6 +121,22 @@ def make_dispatcher(
 ) -> Callable:
     """Wrap a registered attention function with the varlen route described in the module docstring."""
     vision_boundaries = _VisionBoundaries()
+    logged: set[str] = set()
+
+    def log_backend_once(kind: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if kind in logged:
+            return
+        logged.add(kind)
+        name = effective_backend(backend, query, key, value)
+        logger.info(
+            "hf_packing: %s attention runs on %s (attn_backend=%r, %s on %s%s)",
+            kind,
+            name,
+            backend,
+            query.dtype,
+            query.device,
+            ", autocast" if torch.is_autocast_enabled(query.device.type) else "",
+        )
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         seqs, sp = kwargs.pop(PACKED_KWARG, None), kwargs.pop(SP_KWARG, None)
@@ -97,8 +145,12 @@ def make_dispatcher(
             seqs, causal = vision_boundaries(kwargs["cu_seq_lens_q"], kwargs.get("max_length_q")), False
         elif seqs is not None and isinstance(module, text_classes):
             causal = True
+        elif PackedForward.depth and isinstance(module, text_classes):
+            raise missing_boundaries_error(module)
         else:
             return original(module, query, key, value, attention_mask, **kwargs)
+        if not torch.compiler.is_compiling():
+            log_backend_once("vision" if not causal else "text", query, key, value)
         scale = kwargs.get("scaling")
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         window, dropout = kwargs.get("sliding_window"), kwargs.get("dropout", 0.0) or 0.0

@@ -21,9 +21,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+import torch
+
+from ..prepared import check_active_loader
 from ._attention import PACKED_KWARG
 from ._forward import (
     CallBinder,
+    OriginalForward,
     RmpadOptions,
     as_patched_forward,
     flatten_call,
@@ -32,6 +36,7 @@ from ._forward import (
     repad_router_logits,
     resolve_use_cache,
     run_backbone,
+    warn_supervised_generation_call,
     without_packing,
 )
 from ._spec import FamilySpec
@@ -46,7 +51,10 @@ def make_backbone_forward(original: Callable, spec: FamilySpec, options: RmpadOp
             return original(self, *args, **kwargs, return_dict=True)
         call, extra, packing = bind_call(args, kwargs)
         if is_generation_call(call, resolve_use_cache(self, call.get("use_cache", extra.get("use_cache")))):
+            if self.training and torch.is_grad_enabled() and not OriginalForward.depth:  # a custom head's training call
+                warn_supervised_generation_call(self, call)
             return original(self, *args, **without_packing(kwargs), return_dict=True)
+        check_active_loader(collated=packing["seqlens"] is not None)  # forgetting prepare_trainer is loud
         if options.sequence_parallel_size > 1:
             raise ValueError(
                 f"sequence_parallel_size={options.sequence_parallel_size}: the backbone ({type(self).__name__}) "

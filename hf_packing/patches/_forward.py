@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +30,10 @@ from transformers.utils.generic import ModelOutput, can_return_tuple
 from .. import loss as loss_
 from .. import sequence_parallel_shard as shard_
 from ..loss import CrossEntropySum, cross_entropy_sum, linear_cross_entropy_sum, reduce_loss, shift_labels_per_sequence
+from ..prepared import check_active_loader
 from ..sequence_parallel_comm import SPGroup, gather_sequence
 from ..sequence_parallel_state import SequenceParallelState
-from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS, host_vision_seqlens
+from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS, host_vision_seqlens, inside_packed_forward
 from ._flatten import FlatBatch, flatten_batch
 from ._spec import FamilySpec
 from ._vision import tower_calls, vision_seqlens
@@ -158,10 +161,66 @@ def is_generation_call(call: dict, generation_like: bool) -> bool:
     )
 
 
+def generation_reason(call: dict) -> str:
+    """Why `is_generation_call` sends a call to the original forward, and what would keep it padding-free."""
+    if call.get("past_key_values") is not None:
+        return "it carries past_key_values (a cache): drop it to train"
+    if call.get("inputs_embeds") is not None or call.get("input_ids") is None:
+        return (
+            "it passes inputs_embeds instead of input_ids, and the padding-free path flattens input_ids: pass input_ids"
+        )
+    return "use_cache resolves to True: pass use_cache=False (or set model.config.use_cache=False)"
+
+
+_WARNED: set[str] = set()
+
+
+class OriginalForward:
+    """How many top-level forwards run their original code now (a plain counter, as `PackedForward`)."""
+
+    depth = 0
+
+    @classmethod
+    @contextmanager
+    def running(cls) -> Iterator[None]:
+        cls.depth += 1
+        try:
+            yield
+        finally:
+            cls.depth -= 1
+
+
+def warn_supervised_generation_call(model, call: dict) -> None:
+    """Warn once per reason and class that a training call (with labels; for the backbone, in training mode with
+    gradients) runs the original forward: padded rows, no per-sequence boundaries, transformers' own loss."""
+    reason = generation_reason(call)
+    key = f"{type(model).__name__}: {reason}"
+    if key in _WARNED or torch.compiler.is_compiling():
+        return
+    _WARNED.add(key)
+    what = "a call with labels" if hasattr(model, "lm_head") else "a training call"
+    warnings.warn(
+        f"hf_packing: {what} runs the original {type(model).__name__}.forward (padded rows, no per-sequence "
+        f"boundaries) because {reason}",
+        stacklevel=4,
+    )
+
+
 def without_packing(kwargs: dict) -> dict:
     """The caller's keywords for transformers' own path: a ``cu_seqlens`` key must not reach the vision tower,
     which reads it as its own."""
     return {k: v for k, v in kwargs.items() if k not in {p.name for p in PACKING_PARAMETERS}}
+
+
+def check_attn_implementation(config) -> None:
+    """Raise unless the model's text attention goes through a registry entry the patch wraps (`_attention`)."""
+    impl = config.get_text_config()._attn_implementation
+    if impl not in WRAPPED_IMPLEMENTATIONS:
+        raise ValueError(
+            f"apply_rmpad runs attention through one of {WRAPPED_IMPLEMENTATIONS}, but this model was loaded with "
+            f"attn_implementation={impl!r}; load it with attn_implementation='sdpa' (the backend is chosen by "
+            "apply_rmpad(attn_backend=...))"
+        )
 
 
 def flatten_call(backbone, spec: FamilySpec, call: dict, extra: dict, packing: dict) -> tuple[FlatBatch, dict, dict]:
@@ -170,13 +229,7 @@ def flatten_call(backbone, spec: FamilySpec, call: dict, extra: dict, packing: d
     ``call`` / ``extra`` lose what is consumed here (ids, mask, positions, boundaries, vision and rope inputs,
     ``use_cache``, the cache and embeddings, which are ``None`` on this path).
     """
-    impl = backbone.config.get_text_config()._attn_implementation
-    if impl not in WRAPPED_IMPLEMENTATIONS:
-        raise ValueError(
-            f"apply_rmpad runs attention through one of {WRAPPED_IMPLEMENTATIONS}, but this model was loaded with "
-            f"attn_implementation={impl!r}; load it with attn_implementation='sdpa' (the backend is chosen by "
-            "apply_rmpad(attn_backend=...))"
-        )
+    check_attn_implementation(backbone.config)
     for key in ("use_cache", "past_key_values", "inputs_embeds"):
         call.pop(key, extra.pop(key, None))
     hf_varlen = {k: extra.pop(k) for k in HF_VARLEN_KWARGS if k in extra}
@@ -231,7 +284,8 @@ def run_backbone(
     try:
         # under SP the tower encodes this rank's share only: its boundaries are not the whole pack's
         known = host_vision_seqlens(flat.vision_seqlens if sp is None else ())
-        with known, tower_calls(backbone, **vision, dummy=dummy_vision, model_kwargs=model_kwargs, sp=sp) as dummy:
+        towers = tower_calls(backbone, **vision, dummy=dummy_vision, model_kwargs=model_kwargs, sp=sp)
+        with known, towers as dummy, inside_packed_forward():
             outputs = forward(
                 input_ids=flat.input_ids,
                 attention_mask=None,
@@ -318,7 +372,13 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
         use_cache = call.get("use_cache", extra.get("use_cache"))
         generation_like = use_cache if supervised else resolve_use_cache(self.model, use_cache)
         if is_generation_call(call, generation_like):
-            return original(self, *args, **without_packing(kwargs), return_dict=True)
+            if supervised:
+                warn_supervised_generation_call(self, call)
+            if torch.compiler.is_compiling():  # (the counter only quiets a warning, which is eager-only too)
+                return original(self, *args, **without_packing(kwargs), return_dict=True)
+            with OriginalForward.running():  # its backbone call is this call: no second warning
+                return original(self, *args, **without_packing(kwargs), return_dict=True)
+        check_active_loader(collated=packing["seqlens"] is not None)  # forgetting prepare_trainer is loud
 
         num_items_in_batch = extra.pop("num_items_in_batch", None)
         logits_to_keep = call.pop("logits_to_keep", 0)

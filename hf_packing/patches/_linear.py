@@ -17,27 +17,53 @@ runs on this rank's heads over the whole pack, between Ulysses all-to-alls (`hf_
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from types import ModuleType
+
+import torch
 
 from .. import linear_attention
 from ..sequence_parallel_comm import SP_KWARG
 from ..sequence_parallel_linear import ulysses_causal_conv1d, ulysses_gated_delta_rule
-from ._attention import PACKED_KWARG
+from ._attention import PACKED_KWARG, PackedForward, missing_boundaries_error
 from ._patcher import Patch
+
+logger = logging.getLogger("hf_packing")
+
+
+def _log_backend_once(logged: set[str], kind: str, backend: str, x) -> None:
+    """Log the linear-attention backend `resolve_linear_backend` picks, once per op and `apply_rmpad` (eager only)."""
+    if torch.compiler.is_compiling() or kind in logged:
+        return
+    logged.add(kind)
+    name = linear_attention.resolve_linear_backend(backend, x)
+    logger.info(
+        "hf_packing: linear attention (%s) runs on %s (linear_backend=%r, %s on %s)",
+        kind,
+        name,
+        backend,
+        x.dtype,
+        x.device,
+    )
+
 
 #: module-level names the linear-attention layer calls (transformers 5.17-5.23).
 CONV_FN, DELTA_RULE_FN = "causal_conv1d_fn", "torch_chunk_gated_delta_rule"
 
 
-def make_conv_route(original: Callable, backend: str) -> Callable:
+def make_conv_route(original: Callable, backend: str, logged: set[str] | None = None) -> Callable:
     """Wrap ``causal_conv1d_fn``: packed calls never convolve across a boundary."""
     torch_fn = inspect.unwrap(original)
+    logged = set() if logged is None else logged
 
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         seqs, sp = kwargs.pop(PACKED_KWARG, None), kwargs.pop(SP_KWARG, None)
         if seqs is None:
+            if PackedForward.depth:
+                raise missing_boundaries_error(causal_conv1d_fn)
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        _log_backend_once(logged, "conv", backend, hidden_states)
 
         def conv(x, w, b):
             return linear_attention.causal_conv1d(x, w, b, activation, seqs, backend=backend, torch_fn=torch_fn)
@@ -52,9 +78,10 @@ def make_conv_route(original: Callable, backend: str) -> Callable:
     return causal_conv1d_fn
 
 
-def make_delta_rule_route(original: Callable, backend: str) -> Callable:
+def make_delta_rule_route(original: Callable, backend: str, logged: set[str] | None = None) -> Callable:
     """Wrap ``torch_chunk_gated_delta_rule``: packed calls restart the recurrent state at every boundary."""
     torch_fn = inspect.unwrap(original)
+    logged = set() if logged is None else logged
 
     def torch_chunk_gated_delta_rule(
         query,
@@ -69,6 +96,8 @@ def make_delta_rule_route(original: Callable, backend: str) -> Callable:
         **kwargs,
     ):
         seqs, sp = kwargs.pop(PACKED_KWARG, None), kwargs.pop(SP_KWARG, None)
+        if seqs is None and PackedForward.depth:
+            raise missing_boundaries_error(torch_chunk_gated_delta_rule)
         if seqs is None:
             return original(
                 query,
@@ -84,6 +113,7 @@ def make_delta_rule_route(original: Callable, backend: str) -> Callable:
             )
         if initial_state is not None or output_final_state:
             raise ValueError("hf_packing runs packed linear attention without a cache (use_cache=False)")
+        _log_backend_once(logged, "gated delta rule", backend, query)
 
         def rule(q, k, v, g, beta):
             return linear_attention.gated_delta_rule(
@@ -106,7 +136,8 @@ def linear_patches(module: ModuleType, backend: str) -> list[Patch]:
             f"{module.__name__} has no {missing}: this transformers' linear-attention layer is not the one hf_packing "
             "patches (5.17-5.23); install a supported transformers"
         )
+    logged: set[str] = set()  # the backends logged since this apply
     return [
-        Patch(module, CONV_FN, make_conv_route(getattr(module, CONV_FN), backend)),
-        Patch(module, DELTA_RULE_FN, make_delta_rule_route(getattr(module, DELTA_RULE_FN), backend)),
+        Patch(module, CONV_FN, make_conv_route(getattr(module, CONV_FN), backend, logged)),
+        Patch(module, DELTA_RULE_FN, make_delta_rule_route(getattr(module, DELTA_RULE_FN), backend, logged)),
     ]
