@@ -314,7 +314,7 @@ def test_stats_report_rows_with_reasoning_and_tool_calls(family_processors, medi
     pre = Preprocessor(family_processors["qwen3_vl"])
     with caplog.at_level(logging.WARNING):
         *_, extra = collect_metadata(rows, pre, show_progress=False)
-    assert extra["features"] == {"reasoning": 2, "tool_calls": 3, "tool_turns": 1, "tools": 1}
+    assert {f: extra[f] for f in formats.FEATURES} == {"reasoning": 2, "tool_calls": 3, "tool_turns": 1, "tools": 1}
     # the packer's summary counts kept rows the same way (here without the tools column)
     from datasets import IterableDataset
 

@@ -32,7 +32,8 @@ logger = logging.getLogger("hf_packing")
 
 def collect_metadata(dataset, preprocessor: Preprocessor, *, show_progress: bool = True):
     """Per-sample (tokens, images, vision patches) for every usable row, a `Counter` of skip reasons, and the usable
-    rows' `{"videos", "video_tokens", "features"}` (features: rows carrying each of `formats.FEATURES`)."""
+    rows' `{"videos", "video_tokens"}` and, for each of `formats.FEATURES` (reasoning, tool calls, ...), the rows
+    carrying it (flat counts, so several sources' add up)."""
     from tqdm.auto import tqdm
 
     lengths, images, patches, videos = [], [], [], Counter()
@@ -48,13 +49,12 @@ def collect_metadata(dataset, preprocessor: Preprocessor, *, show_progress: bool
         images.append(meta.num_images)
         patches.append(meta.vision_patches)
         videos.update(videos=meta.num_videos, video_tokens=meta.video_tokens, **dict.fromkeys(meta.features, 1))
-    features = {f: videos[f] for f in FEATURES}
     return (
         lengths,
         images,
         patches,
         skipped,
-        {"videos": videos["videos"], "video_tokens": videos["video_tokens"], "features": features},
+        {"videos": videos["videos"], "video_tokens": videos["video_tokens"], **{f: videos[f] for f in FEATURES}},
     )
 
 
@@ -120,9 +120,10 @@ def run_stats(args: argparse.Namespace, config: PackingConfig | None = None) -> 
         closed = {reason: n for reason, n in planner.closed_by.items() if n}
         results[strategy] = {**stats, "dropped": dict(dropped), "skipped": dict(skipped), "closed_by": closed}
         results[strategy].update(videos=videos["videos"], video_tokens=videos["video_tokens"])
+        results[strategy]["rows_with"] = {f: videos[f] for f in FEATURES}
         fills[strategy] = [sum(lengths[i] for i in p) / cfg.max_length for p in packs]
     print(format_table(results, len(lengths) + sum(skipped.values()), cfg))
-    print("rows carrying " + ", ".join(f"{k.replace('_', ' ')}: {n}" for k, n in videos["features"].items()))
+    print("rows carrying " + ", ".join(f"{f.replace('_', ' ')}: {videos[f]}" for f in FEATURES))
     share = videos["video_tokens"] / sum(lengths)
     print(f"videos: {videos['videos']} in usable rows, {videos['video_tokens']:,} video tokens ({share:.1%} of tokens)")
     plot_stats(fills, lengths, args.output, cfg.max_length)
