@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers.utils.generic import ModelOutput
 
+from .. import _compat
 from ..sequence_parallel_comm import SPGroup
 from ..sequence_parallel_shard import encode_vision_split
 
@@ -82,6 +83,67 @@ def vision_seqlens(vision_config, grids: list[list[int]]) -> tuple[list[int], ..
     return (frames,) if windows == frames else (frames, windows)
 
 
+#: Qwen3-VL-style towers' position-embedding interpolation (set in their ``__init__``, not in the config)
+INTERPOLATION = {"mode": "bilinear", "align_corners": True}
+
+
+#: the key of `precomputed_vision_inputs` that is hf_packing's own (`tower_calls` takes it out before the tower)
+ITEM_TOKENS = "hf_packing_item_tokens"
+
+
+def _tower_features(inner, pixels: torch.Tensor, grids: torch.Tensor, sizes: list[int], **kwargs: Any) -> ModelOutput:
+    """transformers 5.23's ``get_image_features`` (every family: the tower, then its output split per item, DeepStack
+    features too), with the split sizes given on the host instead of read from ``grids`` (``.tolist()``)."""
+    out = inner.visual(pixels.type(inner.visual.dtype), grid_thw=grids, **kwargs)
+    out.pooler_output = torch.split(out.pooler_output, sizes)
+    if out.get("deepstack_features") is not None:
+        out.deepstack_features = [torch.split(feat, sizes) for feat in out.deepstack_features]
+    return out
+
+
+def precomputed_vision_inputs(vision_config, grids: list[list[int]]) -> dict[str, Any]:
+    """What the vision tower would compute from ``grids`` on the device, computed here on the host (in the collator's
+    DataLoader worker) with transformers' own helpers, in the keys its tower pops them under (transformers 5.23,
+    `hf_packing._compat.vision_helpers`; ``{}`` on a transformers whose towers do not take them)::
+
+        every family          position_ids (rotary, (N, 2)), cu_seqlens (frames, int32), max_seqlen (int)
+        Qwen2.5-VL            + window_index, cu_window_seqlens, max_window_seqlen (windows)
+        Qwen3-VL, Qwen3.5     + interp_indices, interp_weights (position-embedding interpolation)
+        (ours)                ITEM_TOKENS: each item's merged tokens t·h·w / merge², the split of the tower's output
+
+    On the device each is a host read, a data-dependent ``repeat_interleave`` or a tensor made from host data: 3-9
+    per step. ``grids``: ``[t, h, w]`` per item, images then videos (one tower call takes them in that order).
+    """
+    helpers = _compat.vision_helpers()
+    if helpers is None or not grids:
+        return {}
+    grid = torch.tensor(grids, dtype=torch.long)
+    merge = vision_config.spatial_merge_size
+    cu_seqlens = helpers.get_vision_cu_seqlens(grid)
+    frames = [h * w for t, h, w in grids for _ in range(t)]
+    out = {
+        "position_ids": helpers.get_vision_position_ids(grid, merge),
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": max(frames),
+        ITEM_TOKENS: [t * h * w // merge**2 for t, h, w in grids],
+    }
+    if getattr(vision_config, "window_size", None):
+        window_index, cu_windows = helpers.get_vision_window_index(
+            grid, merge, vision_config.window_size, vision_config.patch_size
+        )
+        windows = vision_seqlens(vision_config, grids)[-1]
+        out.update(window_index=window_index, cu_window_seqlens=cu_windows, max_window_seqlen=max(windows))
+    if getattr(vision_config, "num_position_embeddings", None):
+        indices, weights = helpers.get_vision_interpolation_indices_and_weights(
+            grid,
+            num_grid_per_side=int(vision_config.num_position_embeddings**0.5),
+            spatial_merge_size=merge,
+            **INTERPOLATION,
+        )
+        out.update(interp_indices=indices, interp_weights=weights)
+    return out
+
+
 def _dummy_output(backbone, **kwargs: Any) -> ModelOutput:
     """The tower's output for one 1-frame, ``merge × merge``-patch zero image (``backbone``: the ``XModel``)."""
     vcfg = backbone.config.vision_config
@@ -89,7 +151,8 @@ def _dummy_output(backbone, **kwargs: Any) -> ModelOutput:
     patch_dim = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
     device = backbone.get_input_embeddings().weight.device
     pixels = torch.zeros(merge * merge, patch_dim, device=device, dtype=backbone.visual.dtype)
-    grid = torch.tensor([[1, merge, merge]], device=device)
+    grid = torch.full((1, 3), merge, dtype=torch.long, device=device)  # [[1, merge, merge]], no host data
+    grid[:, 0] = 1
     return type(backbone).get_image_features(backbone, pixels, grid, **{**kwargs, "return_dict": True})
 
 
@@ -118,6 +181,7 @@ def tower_calls(
     dummy: bool,
     model_kwargs: Mapping[str, Any] = MappingProxyType({}),
     sp: SPGroup | None = None,
+    precomputed: Mapping[str, Any] = MappingProxyType({}),
 ) -> Iterator[list[torch.Tensor]]:
     """Make the backbone (``XModel``) inside the block call the vision tower exactly once (see the module docstring).
 
@@ -127,6 +191,10 @@ def tower_calls(
     Under sequence parallelism (``sp``) that one call encodes only this rank's share of the pack's temporal units
     (images and video frame groups, balanced by patches) and the features are all-gathered over the SP group
     (`~hf_packing.sequence_parallel_shard.encode_vision_split`); an SP rank that gets no unit encodes the dummy image.
+
+    ``precomputed`` (`precomputed_vision_inputs` of the call's items, images then videos: the collator's
+    ``vision_inputs``) goes to the one tower call, whose helpers pop it instead of computing it on the device; not
+    under sequence parallelism (each rank encodes a share) nor with per-modality keywords (two calls).
     """
     inner = backbone
     dummy_terms: list[torch.Tensor] = []
@@ -168,7 +236,12 @@ def tower_calls(
         # return_dict explicitly: before 5.23 transformers let config.return_dict=False turn this into a tuple
         kwargs = {**kwargs, "return_dict": True}
         if sp is None:
-            out = type(inner).get_image_features(inner, pixels, grids, **kwargs)
+            kwargs = {**precomputed, **kwargs}  # the tower's helpers pop these (one fresh dict per call)
+            sizes = kwargs.pop(ITEM_TOKENS, None)
+            if sizes is None:
+                out = type(inner).get_image_features(inner, pixels, grids, **kwargs)
+            else:
+                out = _tower_features(inner, pixels, grids, sizes, **kwargs)
         else:
             out, term = encode_vision_split(
                 lambda p, g: type(inner).get_image_features(inner, p, g, **kwargs),
@@ -198,3 +271,28 @@ def tower_calls(
         yield dummy_terms
     finally:
         del inner.get_image_features, inner.get_video_features
+
+
+@contextmanager
+def trusted_placeholder_masks(backbone, trusted: bool) -> Iterator[None]:
+    """Inside the block (when ``trusted``: the collator's batch) the backbone's ``get_placeholder_mask`` skips its
+    feature-count checks: it is called without the features, which is how transformers asks for the masks alone.
+
+    Those checks (``torch_compilable_check(n_tokens * hidden == features.numel(), f"... {n_tokens} ...")``) read the
+    count back twice per modality (the check, and the f-string that formats a 0-d tensor): 2-4 syncs per step. The
+    collator checked every sample's placeholders against its grids on the host (``VisionCollator._check``), and
+    the tower gives ``t·h·w / merge²`` features per item by construction. Other callers keep transformers' checks.
+    """
+    if not trusted:
+        yield
+        return
+    original = type(backbone).get_placeholder_mask
+
+    def get_placeholder_mask(input_ids, inputs_embeds=None, image_features=None, video_features=None, **kwargs):
+        return original(backbone, input_ids, inputs_embeds=inputs_embeds, **kwargs)
+
+    backbone.get_placeholder_mask = get_placeholder_mask  # an instance attribute: this forward only
+    try:
+        yield
+    finally:
+        del backbone.get_placeholder_mask
