@@ -11,8 +11,10 @@ copy that waits). Arms, same samples, one run:
 
 - ``padded (unpatched)``: `VisionCollator()` rows, attention_mask, the model computes M-RoPE positions.
 - ``flat (unpatched)``: `VisionCollator(mode="flat")`, transformers' packed path (4-row position ids, cu_seq_lens).
-- ``rows (patched)``: `apply_rmpad`, `VisionCollator(model_config=...)` (positions, supervised count precomputed),
-  with ``num_items_in_batch`` as the Trainer passes it (a tensor made before the step).
+- ``rows (patched)``: `apply_rmpad`, `VisionCollator(model_config=...)` (positions, supervised count, vision
+  boundaries precomputed), with ``num_items_in_batch`` as the Trainer passes it (a tensor made before the step).
+
+MoE families return router logits in every arm (``output_router_logits=True``: the aux loss term).
 
 Run: ``PYTHONPATH=. python benchmarks/bench_syncs.py`` (~1 min). Writes its RESULTS.md section. ``--json PATH``
 also saves the rows; ``--before PATH`` puts an earlier run's rows (another commit's checkout, same machine, run
@@ -46,8 +48,11 @@ def measure(model_type: str) -> list[list[str]]:
     samples = processed_samples(processor)
     model = build_tiny_model(model_type, processor_dir=FIXTURES / model_type).train()
 
+    router = {"output_router_logits": True} if getattr(model.config.get_text_config(), "num_experts", None) else {}
+
     def step(batch, **extra) -> SyncCounter:
         model.zero_grad(set_to_none=True)
+        extra = {**router, **extra}  # MoE: router logits and the aux loss term, every arm
         with SyncCounter() as counter:
             model(**batch, **extra).loss.backward()
         return counter
@@ -106,9 +111,10 @@ def main() -> None:
             "One step (forward + backward) on one pack of 5 samples (text, 1 image, 2 images, multi-turn, video), tiny "
             "random-init models, fp32 CPU, counted by `SyncCounter`: syncing ops as a GPU would see them, `tolist` "
             "reads, and tensors created from host data (on a GPU, host-to-device copies that wait); every origin, "
-            "hf_packing's in brackets. The patched arm gets `num_items_in_batch` as under the Trainer. Per origin in "
-            f"the script's output; all that remains on the patched arm is transformers' (vision tower window / "
-            f"cu_seqlens / position helpers, `get_image_features`' split, placeholder checks, DeepStack).{before_note}",
+            "hf_packing's in brackets. The patched arm gets `num_items_in_batch` as under the Trainer; MoE arms return "
+            "router logits (the aux loss term). Per origin in the script's output; what remains on the patched arm is "
+            "transformers' DeepStack / visual-mask merge in Qwen3-VL's backbone forward (boolean-mask indexing, "
+            f"`new_zeros(mask.sum())`, forward and backward).{before_note}",
             "",
             C.md_table(header, rows),
         ]

@@ -58,10 +58,12 @@ def _layers(model_type: str, n: int) -> dict:
 
 def _step(model, batch, num_items: bool = False) -> SyncCounter:
     """One training step under the counter; ``num_items``: pass ``num_items_in_batch`` as the Trainer does (a tensor
-    already on the device, made outside the step)."""
+    already on the device, made outside the step). MoE models return their router logits (the aux loss term)."""
     model.train()
     model.zero_grad(set_to_none=True)
     extra = {"num_items_in_batch": torch.tensor(batch["num_supervised_tokens"])} if num_items else {}
+    if getattr(model.config.get_text_config(), "num_experts", None):
+        extra["output_router_logits"] = True
     with SyncCounter() as counter:
         model(**batch, **extra).loss.backward()
     return counter
