@@ -193,3 +193,28 @@ def test_precomputed_vision_inputs_equal_the_towers_own(model_type):
     torch.testing.assert_close(patched, own, rtol=1e-5, atol=1e-6)
     assert torch.equal(patched, patched_given)
     assert (counter.total, sum(counter.host_reads.values()), counter.created) == (0, 0, 0), counter.report()
+
+
+def test_deepstack_by_index_equals_transformers_masked_update():
+    """Qwen3-VL's DeepStack update by ``index_add`` at ``nonzero_static`` positions (sized by the collator's count)
+    equals transformers' boolean-mask update, values and gradients, with no sync; without a count it is
+    transformers' own code."""
+    from hf_packing.patches._vision import deepstack_by_index
+    from hf_packing.testing.syncs import SyncCounter
+
+    model = build_tiny_model("qwen3_vl")
+    backbone = model.model
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.rand(2, 9, generator=generator) < 0.4
+    hidden = torch.randn(2, 9, 8, generator=generator, requires_grad=True)
+    embeds = torch.randn(int(mask.sum()), 8, generator=generator, requires_grad=True)
+    own = backbone.language_model._deepstack_process(hidden, mask, embeds)
+    own_grads = torch.autograd.grad(own.square().sum(), (hidden, embeds))
+    with deepstack_by_index(backbone, int(mask.sum())), SyncCounter() as counter:
+        given = backbone.language_model._deepstack_process(hidden, mask, embeds)
+        grads = torch.autograd.grad(given.square().sum(), (hidden, embeds))
+    assert counter.total == 0, counter.report()
+    assert torch.equal(own, given) and all(torch.equal(a, b) for a, b in zip(own_grads, grads))
+    assert "_deepstack_process" not in vars(backbone.language_model)  # the shadow is gone after the block
+    with deepstack_by_index(backbone, None):
+        assert "_deepstack_process" not in vars(backbone.language_model)

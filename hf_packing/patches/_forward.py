@@ -36,7 +36,7 @@ from ..sequence_parallel_state import SequenceParallelState
 from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS, host_vision_seqlens, inside_packed_forward
 from ._flatten import FlatBatch, flatten_batch
 from ._spec import FamilySpec
-from ._vision import tower_calls, trusted_placeholder_masks, vision_seqlens
+from ._vision import ITEM_TOKENS, deepstack_by_index, tower_calls, trusted_placeholder_masks, vision_seqlens
 
 #: transformers' flash-style boundary kwargs (DataCollatorWithFlattening, VisionCollator mode='flat').
 HF_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -292,7 +292,9 @@ def run_backbone(
             backbone, **vision, dummy=dummy_vision, model_kwargs=model_kwargs, sp=sp, precomputed=precomputed
         )
         trusted = trusted_placeholder_masks(backbone, flat.collated)
-        with known, towers as dummy, trusted, inside_packed_forward():
+        item_tokens = precomputed.get(ITEM_TOKENS)
+        deepstack = deepstack_by_index(backbone, None if item_tokens is None else sum(item_tokens))
+        with known, towers as dummy, trusted, deepstack, inside_packed_forward():
             outputs = forward(
                 input_ids=flat.input_ids,
                 attention_mask=None,

@@ -296,3 +296,30 @@ def trusted_placeholder_masks(backbone, trusted: bool) -> Iterator[None]:
         yield
     finally:
         del backbone.get_placeholder_mask
+
+
+@contextmanager
+def deepstack_by_index(backbone, visual_tokens: int | None) -> Iterator[None]:
+    """Inside the block, Qwen3-VL's ``_deepstack_process`` (adding each DeepStack layer's features at the visual
+    tokens) selects those tokens with a fixed-size ``nonzero_static`` instead of a boolean mask: ``visual_tokens``,
+    the number of image and video tokens of the call (the collator's, known on the host), sizes it. transformers'
+    ``hidden[mask] + features; hidden[mask] = ...`` costs 2 syncs per DeepStack layer in forward and as many in
+    backward; the same sums by ``index_add``, none. ``None`` (not the collator's batch, or sequence parallelism,
+    whose ranks hold a slice of the tokens), or a backbone without DeepStack: transformers' own code.
+    """
+    text = getattr(backbone, "language_model", None)
+    if visual_tokens is None or not hasattr(type(text), "_deepstack_process"):
+        yield
+        return
+
+    def _deepstack_process(hidden_states, visual_pos_masks, visual_embeds):
+        rows = hidden_states.flatten(0, -2)  # (B·L, H)
+        where = torch.nonzero_static(visual_pos_masks.to(rows.device).flatten(), size=visual_tokens).flatten()
+        added = rows.index_add(0, where, visual_embeds.to(rows.device, rows.dtype))
+        return added.view_as(hidden_states)
+
+    text._deepstack_process = _deepstack_process  # an instance attribute: this forward only
+    try:
+        yield
+    finally:
+        del text._deepstack_process
