@@ -112,9 +112,10 @@ def main() -> None:
             "random-init models, fp32 CPU, counted by `SyncCounter`: syncing ops as a GPU would see them, `tolist` "
             "reads, and tensors created from host data (on a GPU, host-to-device copies that wait); every origin, "
             "hf_packing's in brackets. The patched arm gets `num_items_in_batch` as under the Trainer; MoE arms return "
-            "router logits (the aux loss term). Per origin in the script's output; what remains on the patched arm is "
-            "transformers' DeepStack / visual-mask merge in Qwen3-VL's backbone forward (boolean-mask indexing, "
-            f"`new_zeros(mask.sum())`, forward and backward).{before_note}",
+            "router logits (the aux loss term). Per origin in the script's output. On the patched arm nothing remains "
+            "(transformers 5.23: the collator's `vision_inputs` replace what the vision helpers computed on the "
+            "device, the collator's batch is trusted, Qwen3-VL's DeepStack takes images and videos as one kind in "
+            f"row order).{before_note}",
             "",
             C.md_table(header, rows),
         ]

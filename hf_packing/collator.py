@@ -232,7 +232,10 @@ class VisionCollator:
         if self.vision_config is not None and batch.get("vision_grids"):
             from .patches._vision import precomputed_vision_inputs  # transformers' helpers: only with a model config
 
-            precomputed = precomputed_vision_inputs(self.vision_config, batch["vision_grids"])
+            n_images = len(batch["image_grid_thw"]) if "image_grid_thw" in batch else 0
+            precomputed = precomputed_vision_inputs(
+                self.vision_config, batch["vision_grids"], n_images=n_images, token_types=torch.cat(types)
+            )
             if precomputed:
                 batch["vision_inputs"] = precomputed
         batch.update(_source_ids(samples))

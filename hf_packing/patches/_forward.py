@@ -36,7 +36,14 @@ from ..sequence_parallel_state import SequenceParallelState
 from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS, host_vision_seqlens, inside_packed_forward
 from ._flatten import FlatBatch, flatten_batch
 from ._spec import FamilySpec
-from ._vision import ITEM_TOKENS, deepstack_by_index, tower_calls, trusted_placeholder_masks, vision_seqlens
+from ._vision import (
+    ITEM_TOKENS,
+    deepstack_by_index,
+    joint_items,
+    tower_calls,
+    trusted_placeholder_masks,
+    vision_seqlens,
+)
 
 #: transformers' flash-style boundary kwargs (DataCollatorWithFlattening, VisionCollator mode='flat').
 HF_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -288,10 +295,20 @@ def run_backbone(
         # under SP the tower encodes this rank's share only: its boundaries are not the whole pack's
         known = host_vision_seqlens(flat.vision_seqlens if sp is None else ())
         precomputed = flat.vision_inputs if sp is None else {}
-        towers = tower_calls(
-            backbone, **vision, dummy=dummy_vision, model_kwargs=model_kwargs, sp=sp, precomputed=precomputed
+        # images and videos as one kind (DeepStack families): the tower's split and the placeholder masks agree on it
+        joint = flat.collated and joint_items(
+            precomputed, vision["pixel_values"], vision["pixel_values_videos"], model_kwargs
         )
-        trusted = trusted_placeholder_masks(backbone, flat.collated)
+        towers = tower_calls(
+            backbone,
+            **vision,
+            dummy=dummy_vision,
+            model_kwargs=model_kwargs,
+            sp=sp,
+            precomputed=precomputed,
+            joint=joint,
+        )
+        trusted = trusted_placeholder_masks(backbone, flat.collated, joint)
         item_tokens = precomputed.get(ITEM_TOKENS)
         deepstack = deepstack_by_index(backbone, None if item_tokens is None else sum(item_tokens))
         with known, towers as dummy, trusted, deepstack, inside_packed_forward():

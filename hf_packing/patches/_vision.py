@@ -53,6 +53,18 @@ def _items(output: ModelOutput, keep: slice, rows: slice) -> ModelOutput:
     return part
 
 
+def _reordered(output: ModelOutput, order: list[int]) -> ModelOutput:
+    """A tower output (split per item) with its items in ``order``; the pre-merge patches stay as they are."""
+    fields = dict(output.items())
+    fields["pooler_output"] = tuple(output.pooler_output[i] for i in order)
+    if output.get("deepstack_features") is not None:
+        fields["deepstack_features"] = [tuple(layer[i] for i in order) for layer in output.deepstack_features]
+    part = type(output)()
+    for key, value in fields.items():
+        part[key] = value
+    return part
+
+
 def _rows(tensor: torch.Tensor, sizes: list[int], keep: slice) -> torch.Tensor:
     """Rows of the items ``keep`` from a tensor that stacks items of ``sizes`` rows."""
     start = sum(sizes[: keep.start or 0])
@@ -87,8 +99,46 @@ def vision_seqlens(vision_config, grids: list[list[int]]) -> tuple[list[int], ..
 INTERPOLATION = {"mode": "bilinear", "align_corners": True}
 
 
-#: the key of `precomputed_vision_inputs` that is hf_packing's own (`tower_calls` takes it out before the tower)
+#: the keys of `precomputed_vision_inputs` that are hf_packing's own (`tower_calls` takes them out before the tower)
 ITEM_TOKENS = "hf_packing_item_tokens"
+ITEM_ORDER = "hf_packing_item_order"
+
+
+def item_order(token_types: torch.Tensor, item_tokens: list[int], n_images: int) -> list[int] | None:
+    """The tower's items (images, then videos) in the order their tokens appear in the flat row, or ``None`` when
+    some item's tokens are not one contiguous run among the visual tokens (then no single order places them).
+
+    Args:
+        token_types (`torch.Tensor` of shape `(T,)`): the flat row's ``mm_token_type_ids`` (1 image, 2 video), host.
+        item_tokens (`list[int]`): each item's placeholder tokens, images then videos.
+        n_images (`int`): how many of the items are images.
+    """
+    visual = token_types[token_types != 0].tolist()  # the modality of each visual token, in row order
+    rank = {1: [], 2: []}  # each modality's tokens' places among the visual tokens
+    for place, kind in enumerate(visual):
+        rank.setdefault(kind, []).append(place)
+    firsts = []
+    for kind, items in ((1, range(n_images)), (2, range(n_images, len(item_tokens)))):
+        start = 0
+        for item in items:
+            places = rank[kind][start : start + item_tokens[item]]
+            if len(places) != item_tokens[item] or places[-1] - places[0] != len(places) - 1:
+                return None
+            firsts.append((places[0], item))
+            start += item_tokens[item]
+    return [item for _, item in sorted(firsts)]
+
+
+def joint_items(precomputed: Mapping[str, Any], pixel_values, pixel_values_videos, model_kwargs) -> bool:
+    """Whether the one tower call hands transformers its images and videos as one modality (`tower_calls`): the
+    collator gave their token order (`ITEM_ORDER`, DeepStack families), the pack holds both, and no per-modality
+    keyword keeps the calls apart."""
+    return (
+        precomputed.get(ITEM_ORDER) is not None
+        and pixel_values is not None
+        and pixel_values_videos is not None
+        and not any(k.startswith(_MODALITY_PREFIXES) for k in model_kwargs)
+    )
 
 
 def _tower_features(inner, pixels: torch.Tensor, grids: torch.Tensor, sizes: list[int], **kwargs: Any) -> ModelOutput:
@@ -101,7 +151,9 @@ def _tower_features(inner, pixels: torch.Tensor, grids: torch.Tensor, sizes: lis
     return out
 
 
-def precomputed_vision_inputs(vision_config, grids: list[list[int]]) -> dict[str, Any]:
+def precomputed_vision_inputs(
+    vision_config, grids: list[list[int]], *, n_images: int = 0, token_types: torch.Tensor | None = None
+) -> dict[str, Any]:
     """What the vision tower would compute from ``grids`` on the device, computed here on the host (in the collator's
     DataLoader worker) with transformers' own helpers, in the keys its tower pops them under (transformers 5.23,
     `hf_packing._compat.vision_helpers`; ``{}`` on a transformers whose towers do not take them)::
@@ -110,6 +162,8 @@ def precomputed_vision_inputs(vision_config, grids: list[list[int]]) -> dict[str
         Qwen2.5-VL            + window_index, cu_window_seqlens, max_window_seqlen (windows)
         Qwen3-VL, Qwen3.5     + interp_indices, interp_weights (position-embedding interpolation)
         (ours)                ITEM_TOKENS: each item's merged tokens t·h·w / merge², the split of the tower's output
+        (ours, DeepStack)     ITEM_ORDER: with images and videos, their order in the row (``token_types``: the flat
+                              row's ``mm_token_type_ids``; `item_order`), so they enter the text model as one kind
 
     On the device each is a host read, a data-dependent ``repeat_interleave`` or a tensor made from host data: 3-9
     per step. ``grids``: ``[t, h, w]`` per item, images then videos (one tower call takes them in that order).
@@ -141,6 +195,12 @@ def precomputed_vision_inputs(vision_config, grids: list[list[int]]) -> dict[str
             **INTERPOLATION,
         )
         out.update(interp_indices=indices, interp_weights=weights)
+    if (
+        getattr(vision_config, "deepstack_visual_indexes", None)
+        and token_types is not None
+        and 0 < n_images < len(grids)
+    ):
+        out[ITEM_ORDER] = item_order(token_types, out[ITEM_TOKENS], n_images)
     return out
 
 
@@ -182,6 +242,7 @@ def tower_calls(
     model_kwargs: Mapping[str, Any] = MappingProxyType({}),
     sp: SPGroup | None = None,
     precomputed: Mapping[str, Any] = MappingProxyType({}),
+    joint: bool = False,
 ) -> Iterator[list[torch.Tensor]]:
     """Make the backbone (``XModel``) inside the block call the vision tower exactly once (see the module docstring).
 
@@ -194,7 +255,9 @@ def tower_calls(
 
     ``precomputed`` (`precomputed_vision_inputs` of the call's items, images then videos: the collator's
     ``vision_inputs``) goes to the one tower call, whose helpers pop it instead of computing it on the device; not
-    under sequence parallelism (each rank encodes a share) nor with per-modality keywords (two calls).
+    under sequence parallelism (each rank encodes a share) nor with per-modality keywords (two calls). ``joint``
+    (`joint_items`, decided by the caller with `trusted_placeholder_masks`'s): the images and videos are handed to
+    transformers as images only, in the order of ``precomputed[ITEM_ORDER]``; the videos' call gets nothing.
     """
     inner = backbone
     dummy_terms: list[torch.Tensor] = []
@@ -224,7 +287,7 @@ def tower_calls(
         yield dummy_terms
         return
 
-    encoded: dict[str, ModelOutput] = {}
+    encoded: dict[str, ModelOutput | None] = {}
     kinds = ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw))
     media = [(pixels, grid) for pixels, grid in kinds if pixels is not None]
 
@@ -237,7 +300,7 @@ def tower_calls(
         kwargs = {**kwargs, "return_dict": True}
         if sp is None:
             kwargs = {**precomputed, **kwargs}  # the tower's helpers pop these (one fresh dict per call)
-            sizes = kwargs.pop(ITEM_TOKENS, None)
+            sizes, order = kwargs.pop(ITEM_TOKENS, None), kwargs.pop(ITEM_ORDER, None)
             if sizes is None:
                 out = type(inner).get_image_features(inner, pixels, grids, **kwargs)
             else:
@@ -253,6 +316,9 @@ def tower_calls(
             )
             if term is not None:
                 dummy_terms.append(term)
+        if joint:  # images and videos as one kind, in row order: transformers' image path places them all
+            encoded["image"], encoded["video"] = _reordered(out, order), None
+            return
         # the images' patches are pixel_values' rows: a shape, so the split needs no host read of the grids
         n_images, n_patches = (0, 0) if pixel_values is None else (len(image_grid_thw), pixel_values.shape[0])
         encoded["image"] = _items(out, slice(0, n_images), slice(0, n_patches))
@@ -274,7 +340,7 @@ def tower_calls(
 
 
 @contextmanager
-def trusted_placeholder_masks(backbone, trusted: bool) -> Iterator[None]:
+def trusted_placeholder_masks(backbone, trusted: bool, joint: bool = False) -> Iterator[None]:
     """Inside the block (when ``trusted``: the collator's batch) the backbone's ``get_placeholder_mask`` skips its
     feature-count checks: it is called without the features, which is how transformers asks for the masks alone.
 
@@ -282,6 +348,10 @@ def trusted_placeholder_masks(backbone, trusted: bool) -> Iterator[None]:
     count back twice per modality (the check, and the f-string that formats a 0-d tensor): 2-4 syncs per step. The
     collator checked every sample's placeholders against its grids on the host (``VisionCollator._check``), and
     the tower gives ``t·h·w / merge²`` features per item by construction. Other callers keep transformers' checks.
+
+    ``joint`` (`joint_items`): the image mask covers the video tokens too, where `tower_calls` hands transformers
+    the images and videos as one kind, in row order; the DeepStack families then need no merge of the two
+    (transformers' is boolean-mask indexing and ``new_zeros(mask.sum())``: 5 syncs in forward, 3 in backward).
     """
     if not trusted:
         yield
@@ -289,7 +359,8 @@ def trusted_placeholder_masks(backbone, trusted: bool) -> Iterator[None]:
     original = type(backbone).get_placeholder_mask
 
     def get_placeholder_mask(input_ids, inputs_embeds=None, image_features=None, video_features=None, **kwargs):
-        return original(backbone, input_ids, inputs_embeds=inputs_embeds, **kwargs)
+        image_mask, video_mask = original(backbone, input_ids, inputs_embeds=inputs_embeds, **kwargs)
+        return (image_mask | video_mask, video_mask) if joint else (image_mask, video_mask)
 
     backbone.get_placeholder_mask = get_placeholder_mask  # an instance attribute: this forward only
     try:
