@@ -10,7 +10,7 @@ checkpointing, with ``num_items_in_batch`` as the Trainer passes it, and require
 - none of the three from hf_packing;
 - the same totals, every origin, in every setting (nothing grows with layers or sequences, nothing is added by a
   mode or by recomputation);
-- at most `REMAINING` in all (transformers' own helpers, measured per family on transformers 5.23): a sync or a
+- at most `REMAINING` in all, every origin (0 of each in every family on transformers 5.23): a sync or a
   host-data tensor added anywhere, transformers' helpers included, fails (the negative controls plant one).
 
 The collator passes the host values the patch used to read back or copy in (`bench_syncs.py` has the per-origin
@@ -24,6 +24,10 @@ counts before and after)::
     _vision.tower_calls (encode)       1 read      split by ``pixel_values``' rows, a shape (every caller)
     _attention._VisionBoundaries       1-2 reads   ``vision_grids`` (host grids) → frame / window lengths, trusted
     MoE aux weight (_forward)          1 copy      ``n_local / num_items_in_batch`` without ``new_tensor``
+    transformers' vision helpers       3-9         ``vision_inputs``: computed in the worker by the same helpers
+    get_image_features' split          1 read      the collator's item sizes (`_vision.ITEM_TOKENS`)
+    get_placeholder_mask's checks      2-4         asked for the masks alone (the collator checked the counts)
+    Qwen3-VL DeepStack update / merge  2/layer, 8  ``index_add`` at ``nonzero_static``; images ‖ videos in row order
 
 Other callers' batches (padded rows or position-id rows without ``seqlens`` / ``vision_grids``) keep the host
 checks, once per step, never per layer: they name the offending row or sequence. The package's other host reads
