@@ -54,6 +54,31 @@ def check_transformers_version() -> str:
     return version
 
 
+#: transformers' vision helpers the collator precomputes; each must pop its precomputed value from ``kwargs``
+VISION_HELPERS = (
+    "get_vision_position_ids",
+    "get_vision_cu_seqlens",
+    "get_vision_window_index",
+    "get_vision_interpolation_indices_and_weights",
+)
+
+
+@cache
+def vision_helpers() -> ModuleType | None:
+    """``transformers.vision_utils`` when its helpers take precomputed tensors (``kwargs=``, transformers 5.23: the
+    vision towers pop ``position_ids``, ``cu_seqlens``, ``max_seqlen``, ``window_index``, ... from their keyword
+    arguments), else ``None`` (the towers compute them; a precomputed key would reach the blocks twice)."""
+    try:
+        module = importlib.import_module("transformers.vision_utils")
+    except ImportError:
+        return None
+    for name in VISION_HELPERS:
+        fn = getattr(module, name, None)
+        if fn is None or "kwargs" not in inspect.signature(fn).parameters:
+            return None
+    return module
+
+
 @cache
 def flash_attn_varlen_module() -> ModuleType | None:
     """The module exposing ``flash_attn_varlen_func``: FA3 (``flash_attn_interface``) first, then FA2."""

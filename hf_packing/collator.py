@@ -102,7 +102,10 @@ class VisionCollator:
     selects them without a host sync (an unpatched model ignores the key), and ``seqlens`` (list of int, one per
     sample in row / ``cu_seqlens`` order): the patched forward takes its boundaries from it without reading the
     mask or ``cu_seqlens`` back from the device. With images or videos both add ``vision_grids`` (list of
-    ``[t, h, w]``, images then videos): the host copy of the grids, for the vision tower's boundaries. When the
+    ``[t, h, w]``, images then videos): the host copy of the grids, for the vision tower's boundaries; with
+    ``model_config`` also ``vision_inputs`` (a dict of tensors and ints: what transformers' vision helpers would
+    compute from the grids on the device, computed here with the same helpers; see
+    `hf_packing.patches._vision.precomputed_vision_inputs`; transformers 5.23). When the
     samples carry ``source_id`` (`pack_dataset` of a ``{name: dataset}`` mix, or with ``source_column``), both
     modes add ``source_ids``, int64 ``(n_seqs,)``: each sequence's source, in ``cu_seqlens`` order, for the
     per-source loss (`hf_packing.source_ids`).
@@ -137,6 +140,7 @@ class VisionCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.return_cu_seqlens = return_cu_seqlens
         self.rope_index = RopeIndex(model_config) if model_config is not None else None
+        self.vision_config = None if self.rope_index is None else getattr(model_config, "vision_config", None)
         self.image_token_id = getattr(processor, "image_token_id", None) or getattr(
             model_config, "image_token_id", None
         )
@@ -225,6 +229,15 @@ class VisionCollator:
             else self._flat(ids, labels, types, positions)
         )
         batch.update(self._vision(samples))
+        if self.vision_config is not None and batch.get("vision_grids"):
+            from .patches._vision import precomputed_vision_inputs  # transformers' helpers: only with a model config
+
+            n_images = len(batch["image_grid_thw"]) if "image_grid_thw" in batch else 0
+            precomputed = precomputed_vision_inputs(
+                self.vision_config, batch["vision_grids"], n_images=n_images, token_types=torch.cat(types)
+            )
+            if precomputed:
+                batch["vision_inputs"] = precomputed
         batch.update(_source_ids(samples))
         return batch
 

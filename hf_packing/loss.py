@@ -10,6 +10,10 @@ Logits are computed only for positions that have a target, in chunks of ``chunk_
 recomputed in backward (activation checkpointing). At 16k tokens and a 151k vocabulary that is the
 difference between ~10 GB of fp32 logits and ~1 GB for one chunk.
 
+Argmax hits (token accuracy) are counted only when something reads them: inside `recording_token_counts` (evaluation,
+per-source telemetry) or when asked (``count_correct=True``). A training step without them computes no argmax: one
+pass over each chunk's ``rows × vocab`` logits less.
+
 Per source (`counting_sources`, `hf_packing.source_ids`): each chunk also adds its tokens' CE, count and argmax hits
 to a ``(3, num_sources)`` buffer with ``index_add_`` (fixed shapes: no host sync, no logits beyond the chunk's own).
 """
@@ -81,12 +85,13 @@ def _chunk_ce_sum(
     sources: torch.Tensor | None = None,
     per_source: dict[int, torch.Tensor] | None = None,
     num_sources: int = 0,
+    count_correct: bool = True,
 ) -> torch.Tensor:
     logits = head(hidden).float()
     targets = targets.to(logits.device)  # device_map: the head may live on another device than the last layer
     first = chunk not in correct  # checkpointing recomputes this chunk in backward; count it once
     if sources is None:
-        if first:
+        if first and count_correct:
             with torch.no_grad():
                 correct[chunk] = (logits.argmax(-1) == targets).sum()
         return F.cross_entropy(logits, targets, reduction="sum")
@@ -108,7 +113,8 @@ class CrossEntropySum:
         loss_sum (`torch.Tensor`): fp32 scalar Σ CE over supervised positions, connected to every head parameter.
         num_supervised (`int`): supervised positions (targets != -100).
         num_correct (`torch.Tensor`, *optional*): int64 scalar, positions whose argmax is the target (``None``
-            under Liger, whose fused kernel never exposes the logits).
+            when nothing asked for it, see `linear_cross_entropy_sum`'s ``count_correct``, and under Liger, whose
+            fused kernel never exposes the logits).
         per_source (`torch.Tensor`, *optional*): fp32 ``(3, num_sources)``, no gradient: per source Σ CE, supervised
             positions, correct argmax (only when asked for: ``sources`` given, not under Liger).
     """
@@ -157,6 +163,12 @@ def counted_sources() -> int:
     return _NUM_SOURCES.get()
 
 
+def counting_correct() -> bool:
+    """Whether something reads argmax hits now: an active `recording_token_counts` (evaluation, per-source telemetry).
+    Training outside it computes no argmax."""
+    return _RECORDED.get() is not None
+
+
 def attach_token_counts(output: Any, ce: CrossEntropySum | None) -> None:
     """Give ``output`` the attributes ``num_supervised_tokens`` / ``num_correct_tokens`` (plain attributes, not
     fields: ``to_tuple()`` stays the unpatched one) and record ``ce`` for an active `recording_token_counts`."""
@@ -194,6 +206,7 @@ def linear_cross_entropy_sum(
     num_supervised: int | None = None,
     sources: torch.Tensor | None = None,
     num_sources: int = 0,
+    count_correct: bool | None = None,
 ) -> CrossEntropySum:
     """Σ cross-entropy of ``head(hidden)`` against ``targets`` over supervised positions.
 
@@ -212,6 +225,9 @@ def linear_cross_entropy_sum(
             (`token_sources`); then `CrossEntropySum.per_source` is filled, chunk by chunk, with ``index_add_``
             into a fixed ``(3, num_sources)`` buffer: no host sync, no extra logits. Ignored under Liger.
         num_sources (`int`): the per-source buffer's width.
+        count_correct (`bool`, *optional*): count the positions whose argmax is the target
+            (`CrossEntropySum.num_correct`); default: only inside `recording_token_counts` (`counting_correct`),
+            where evaluation and the telemetry read them. Per-source sums always count their hits.
 
     With no supervised position the sum is ``0 * head(hidden[:1]).sum()``: zero, but every head and backbone
     parameter stays in the graph, so DDP (``find_unused_parameters=False``) and ZeRO see the same backward
@@ -232,10 +248,12 @@ def linear_cross_entropy_sum(
         keep = torch.nonzero_static(supervised, size=num_supervised).flatten()
     n = keep.numel()
     sources = sources if sources is not None and num_sources > 0 else None
+    count_correct = (counting_correct() if count_correct is None else count_correct) or sources is not None
     if n == 0:
         zero = head(hidden[:1]).float().sum() * 0.0
         per = None if sources is None else torch.zeros(3, num_sources, device=zero.device)
-        return CrossEntropySum(zero, 0, torch.zeros((), dtype=torch.long, device=zero.device), per)
+        hits = torch.zeros((), dtype=torch.long, device=zero.device) if count_correct else None
+        return CrossEntropySum(zero, 0, hits, per)
     hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
     if sources is not None:
         sources = sources.to(keep.device).index_select(0, keep)
@@ -259,17 +277,22 @@ def linear_cross_entropy_sum(
     for start in range(0, n, rows):
         h, t = hidden[start : start + rows], targets[start : start + rows]
         s = None if sources is None else sources[start : start + rows]
-        args = (head, h, t, correct, start, s, per_source, num_sources)
+        args = (head, h, t, correct, start, s, per_source, num_sources, count_correct)
         if torch.is_grad_enabled() and h.requires_grad:
             total = total + checkpoint(_chunk_ce_sum, *args, use_reentrant=False)
         else:
             total = total + _chunk_ce_sum(*args)
     per = torch.stack(list(per_source.values())).sum(0) if per_source else None
-    return CrossEntropySum(total, n, torch.stack(list(correct.values())).sum(), per)
+    hits = torch.stack(list(correct.values())).sum() if count_correct else None
+    return CrossEntropySum(total, n, hits, per)
 
 
 def cross_entropy_sum(
-    logits: torch.Tensor, targets: torch.Tensor, sources: torch.Tensor | None = None, num_sources: int = 0
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    sources: torch.Tensor | None = None,
+    num_sources: int = 0,
+    count_correct: bool | None = None,
 ) -> CrossEntropySum:
     """`linear_cross_entropy_sum` for logits that are already there: ``(T, V)`` logits, ``(T,)`` targets."""
     return linear_cross_entropy_sum(
@@ -280,6 +303,7 @@ def cross_entropy_sum(
         use_liger=False,
         sources=sources,
         num_sources=num_sources,
+        count_correct=count_correct,
     )
 
 

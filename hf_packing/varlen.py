@@ -20,6 +20,7 @@ k/v ``(T, H_kv, D)``:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -322,13 +323,57 @@ def kernel_input_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     return next((t.dtype for t in (v, q, k) if t.dtype in KERNEL_DTYPES), None)
 
 
+def select_backend(backend: str, device: torch.device, kernel_dtype: torch.dtype | None) -> tuple[str, str | None]:
+    """The backend `varlen_attention` runs on ``device`` when the kernels would get ``kernel_dtype``
+    (`kernel_input_dtype`: ``None`` for fp32 inputs with autocast off), and why ``auto`` chose the per-sequence
+    ``reference`` on CUDA (``None`` otherwise)::
+
+        backend   device  kernel available  kernel_dtype   runs        why
+        auto      cuda    yes               bf16 / fp16    the kernel  -
+        auto      cuda    yes               None (fp32)    reference   fp32 without autocast: set bf16=True ...
+        auto      cuda    no                any            reference   no varlen kernel: install flash-attn ...
+        auto      cpu     -                 any            reference   - (the only backend there)
+        forced    any     must be           None           the kernel  - (`varlen_attention` raises for fp32)
+
+    Returns:
+        `tuple[str, str | None]`: the backend's name and the reason, which `varlen_attention` warns once.
+    """
+    name = resolve_backend(backend, device)
+    if backend != "auto" or device.type != "cuda":
+        return name, None
+    if name == "reference":
+        return name, (
+            "no varlen kernel is available here: install flash-attn (pip install 'hf_packing[flash]') or use "
+            "torch>=2.9 (torch_varlen)"
+        )
+    if kernel_dtype is None:
+        return "reference", (
+            "the attention inputs are fp32 with autocast off, which no varlen kernel takes: train with bf16=True "
+            "(autocast; or run the step under torch.autocast('cuda', dtype=torch.bfloat16)), or load the model in "
+            "bfloat16; attn_backend='reference' chooses this path without a warning"
+        )
+    return name, None
+
+
 def effective_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """The backend `varlen_attention` runs for these inputs: `resolve_backend`, then ``reference`` under ``auto`` for
-    fp32 inputs with autocast off (a forced kernel raises there instead)."""
-    name = resolve_backend(backend, q.device)
-    if name != "reference" and backend == "auto" and kernel_input_dtype(q, k, v) is None:
-        return "reference"
-    return name
+    """The backend `varlen_attention` runs for these inputs (`select_backend`)."""
+    return select_backend(backend, q.device, kernel_input_dtype(q, k, v))[0]
+
+
+#: the reasons `warn_reference_once` has warned about (once per process each)
+_WARNED: set[str] = set()
+
+
+def warn_reference_once(why: str) -> None:
+    """Warn, once per reason, that ``attn_backend='auto'`` runs the per-sequence reference on CUDA (eager only)."""
+    if torch.compiler.is_compiling() or why in _WARNED:
+        return
+    _WARNED.add(why)
+    warnings.warn(
+        "hf_packing: attn_backend='auto' runs attention on CUDA with the per-sequence reference (a Python loop of "
+        f"SDPA calls in every layer, far slower than a varlen kernel) because {why}",
+        stacklevel=3,
+    )
 
 
 def varlen_attention(
@@ -353,22 +398,23 @@ def varlen_attention(
 
     Kernel backends get q/k/v cast to one half-precision dtype (`kernel_input_dtype`), last dim contiguous, with
     int32 ``cu_seqlens`` on q's device and a Python-int ``max_seqlen``. fp32 inputs with autocast off cannot
-    run on a kernel: ``auto`` then takes the exact ``reference`` path, a forced kernel raises.
+    run on a kernel: ``auto`` then takes the exact ``reference`` path (on CUDA with a warning, once, saying why and
+    what to set: `select_backend`), a forced kernel raises.
 
     Returns:
         `torch.Tensor` of shape `(T, H_q, D)`: the kernel's dtype under autocast, else q's dtype.
     """
-    name = resolve_backend(backend, q.device)
+    dtype = kernel_input_dtype(q, k, v)
+    name, why = select_backend(backend, q.device, dtype)
+    if why is not None:
+        warn_reference_once(why)
     if name == "reference":
         return reference_varlen(q, k, v, seqs, causal=causal, scale=scale, window=window, dropout=dropout)
-    dtype = kernel_input_dtype(q, k, v)
     if dtype is None:
-        if backend != "auto":
-            raise ValueError(
-                f"attn_backend={name!r} needs fp16/bf16 attention inputs but got {q.dtype} with autocast off; load "
-                "the model in bfloat16, train with bf16=True (autocast), or use attn_backend='reference'"
-            )
-        return reference_varlen(q, k, v, seqs, causal=causal, scale=scale, window=window, dropout=dropout)
+        raise ValueError(
+            f"attn_backend={name!r} needs fp16/bf16 attention inputs but got {q.dtype} with autocast off; load "
+            "the model in bfloat16, train with bf16=True (autocast), or use attn_backend='reference'"
+        )
     out_dtype = q.dtype
     # The kernels need a contiguous last dim (flash-attn's own maybe_contiguous); a full copy would cost a pass over
     # q/k/v in every layer.

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_packing.loss import liger_can_read_weight, linear_cross_entropy_sum, reduce_loss, shift_labels_per_sequence
+from hf_packing.loss import (
+    liger_can_read_weight,
+    linear_cross_entropy_sum,
+    recording_token_counts,
+    reduce_loss,
+    shift_labels_per_sequence,
+)
 
 
 def test_shift_never_crosses_a_boundary():
@@ -21,7 +30,7 @@ def test_chunked_equals_full_cross_entropy_values_and_grads():
     hidden = torch.randn(37, 16, requires_grad=True)
     targets = torch.randint(0, 50, (37,))
     targets[::3] = -100
-    result = linear_cross_entropy_sum(hidden, head, targets, chunk_size=5)
+    result = linear_cross_entropy_sum(hidden, head, targets, chunk_size=5, count_correct=True)
     total, n = result.loss_sum, result.num_supervised
     total.backward()
     got = (hidden.grad.clone(), head.weight.grad.clone())
@@ -34,6 +43,40 @@ def test_chunked_equals_full_cross_entropy_values_and_grads():
     torch.testing.assert_close(total, ref)
     torch.testing.assert_close(got[0], hidden.grad)
     torch.testing.assert_close(got[1], head.weight.grad)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops (by name) run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_argmax_only_when_something_reads_the_hits():
+    """Argmax hits are computed only inside `recording_token_counts` (evaluation, per-source telemetry) or when asked:
+    a training loss alone runs no argmax (counted), and the hits, when read, are exact."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    targets[::3] = -100
+    exact = int((head(hidden).argmax(-1) == targets)[targets != -100].sum())
+    with _OpCounter() as counter:
+        training = linear_cross_entropy_sum(hidden, head, targets, chunk_size=5)
+        training.loss_sum.backward()
+    assert counter.ops["aten::argmax"] == 0 and training.num_correct is None
+    with recording_token_counts(), _OpCounter() as counter:
+        recorded = linear_cross_entropy_sum(hidden, head, targets, chunk_size=5)
+        recorded.loss_sum.backward()
+    assert counter.ops["aten::argmax"] == 5  # once per chunk of 5 of the 24 supervised rows, not again in backward
+    assert recorded.num_correct.item() == exact
+    assert linear_cross_entropy_sum(hidden, head, targets, count_correct=True).num_correct.item() == exact
+    assert torch.equal(training.loss_sum, recorded.loss_sum)
 
 
 def test_host_count_selects_the_same_rows_without_a_sync():

@@ -240,3 +240,23 @@ def test_unsupported_attn_implementation_is_refused():
     hf_packing.apply_rmpad("qwen2_vl")
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         model(**processed_batch(processor, conversations(with_video=False)))
+
+
+@pytest.mark.parametrize("mode", ["rows", "flat"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_collated_pack_patched_equals_unpatched(model_type, mode):
+    """On `VisionCollator`'s batches (boundaries, positions, ``vision_inputs`` precomputed in the worker, trusted in
+    the step) the patched model equals the unpatched one on the same samples as padded rows; a video comes before the
+    images, so the DeepStack families place them as one kind in row order, not images first."""
+    from hf_packing import VisionCollator
+    from tests.conftest import processed_samples
+
+    model, processor = model_and_processor(model_type)
+    samples = processed_samples(processor)
+    pack = [samples[4], samples[1], samples[0], samples[2]]  # video, image, text, 2 images
+    ref = loss_and_grads(model, VisionCollator(processor)(pack))
+    batch = VisionCollator(processor, mode=mode, model_config=model.config)(pack)
+    if model_type.startswith("qwen3_vl"):
+        assert batch["vision_inputs"]["hf_packing_item_order"] == [3, 0, 1, 2]  # the video (item 3) first
+    hf_packing.apply_rmpad(model_type)
+    assert_equivalent(ref, loss_and_grads(model, batch), f"{model_type}/{mode}")

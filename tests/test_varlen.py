@@ -100,6 +100,38 @@ def test_backend_resolution_on_cpu():
         varlen.resolve_backend("xformers", cpu)
 
 
+def test_auto_never_picks_the_reference_on_cuda_silently(monkeypatch):
+    """``auto`` on CUDA with fp32 inputs and autocast off (no kernel takes them) runs the per-sequence reference and
+    says why and what to set; with a half dtype it runs the kernel, silently; with no kernel installed it says that.
+    The selection is a function of (backend, device, kernel dtype), so it is checked here without a GPU; and
+    `varlen_attention` warns once per reason, not once per layer."""
+    cuda = torch.device("cuda", 0)
+    available = {"torch_varlen"}  # the kernels of a CUDA machine with torch>=2.9 and no flash-attn
+    monkeypatch.setattr(
+        varlen,
+        "backend_available",
+        lambda name, device: name == "reference" or (name in available and device.type == "cuda"),
+    )
+    name, why = varlen.select_backend("auto", cuda, None)
+    assert name == "reference" and "fp32 with autocast off" in why and "bf16=True" in why and "autocast" in why
+    assert varlen.select_backend("auto", cuda, torch.bfloat16) == ("torch_varlen", None)
+    assert varlen.select_backend("torch_varlen", cuda, None) == ("torch_varlen", None)  # forced: raises later
+    assert varlen.select_backend("reference", cuda, None) == ("reference", None)  # chosen: no warning
+    assert varlen.select_backend("auto", torch.device("cpu"), None) == ("reference", None)  # the only one there
+    available.discard("torch_varlen")
+    name, why = varlen.select_backend("auto", cuda, torch.bfloat16)
+    assert name == "reference" and "flash-attn" in why
+
+    monkeypatch.setattr(varlen, "_WARNED", set())
+    monkeypatch.setattr(varlen, "select_backend", lambda backend, device, dtype: ("reference", "a test's reason"))
+    q = torch.randn(5, 2, 4)
+    seqs = PackedSequences.from_seqlens([2, 3])
+    with pytest.warns(UserWarning, match="per-sequence reference .* because a test's reason") as caught:
+        for _ in range(3):  # three layers
+            varlen.varlen_attention(q, q, q, seqs, causal=True, scale=0.5)
+    assert len([w for w in caught if "per-sequence reference" in str(w.message)]) == 1
+
+
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 2)])
 def test_masked_reference_equals_per_sequence_reference(causal, window):
     """The compile path (one SDPA, block mask from cu_seqlens on the device) equals SDPA per sequence, GQA too;

@@ -125,11 +125,14 @@ def test_fsdp2_mixed_ranks_negative_control(tmp_path):
 
 def test_vision_seqlens_match_transformers_boundaries():
     """`vision_seqlens` (host, from the collator's grids) equals transformers' own frame and window ``cu_seqlens``
-    on odd grids (partial windows, several frames); a wrong candidate fails the device check, no match reads back."""
+    on odd grids (partial windows, several frames); under `host_vision_seqlens` the boundaries are taken from them
+    with no host read and no tensor made from host data (trusted: this equality is what makes that safe), no match
+    reads back."""
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
 
     from hf_packing.patches._attention import _VisionBoundaries, host_vision_seqlens
     from hf_packing.patches._vision import vision_seqlens
+    from hf_packing.testing.syncs import SyncCounter
     from hf_packing.testing.tiny import tiny_config
 
     vision = tiny_config("qwen2_5_vl").vision_config
@@ -141,8 +144,77 @@ def test_vision_seqlens_match_transformers_boundaries():
     _, cu_windows = get_vision_window_index(grid, vision.spatial_merge_size, vision.window_size, vision.patch_size)
     assert windows == cu_windows.diff().tolist()
     assert vision_seqlens(tiny_config("qwen3_vl").vision_config, grids) == (frames,)
-    with host_vision_seqlens((frames, windows)):
+    with host_vision_seqlens((frames, windows)), SyncCounter() as counter:
         assert _VisionBoundaries()(cu_windows, None).seqlens == windows
-        with pytest.raises(RuntimeError, match="vision tower's cu_seqlens differ"):
-            _VisionBoundaries()(cu_windows + torch.arange(len(cu_windows), dtype=torch.int32), None)
+        assert _VisionBoundaries()(get_vision_cu_seqlens(grid), None).seqlens == frames
+    assert (counter.created, sum(counter.host_reads.values())) == (0, 0), counter.report()
     assert _VisionBoundaries()(cu_windows, None).seqlens == windows  # outside: read back from the tensor
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_precomputed_vision_inputs_equal_the_towers_own(model_type):
+    """The collator's ``vision_inputs`` (transformers' own helpers, run on the host grids in the worker) give the
+    tower exactly the features it computes itself, on odd grids (Qwen2.5-VL windows cut at image edges, a 2-frame
+    video, Qwen3-VL's position interpolation), unpatched and through the patched varlen route; and with them the
+    tower makes no sync, no ``tolist`` read and no tensor from host data."""
+    from hf_packing import _compat
+    from hf_packing.patches._attention import host_vision_seqlens
+    from hf_packing.patches._vision import ITEM_TOKENS, precomputed_vision_inputs, vision_seqlens
+    from hf_packing.testing.syncs import SyncCounter
+    from hf_packing.testing.tiny import build_tiny_model
+
+    if _compat.vision_helpers() is None:
+        pytest.skip("this transformers' vision towers compute their boundaries themselves")
+    overrides = {"vision_config": {"window_size": 4 * 2 * 14}} if model_type == "qwen2_5_vl" else {}
+    model = build_tiny_model(model_type, **overrides)
+    tower, vision = model.model.visual, model.config.vision_config
+    grids = [[1, 10, 18], [2, 8, 8], [1, 2, 4]]
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), patch_dim, generator=torch.Generator().manual_seed(0))
+    grid = torch.tensor(grids)
+    precomputed = precomputed_vision_inputs(vision, grids)
+    assert precomputed.pop(ITEM_TOKENS) == [t * h * w // vision.spatial_merge_size**2 for t, h, w in grids]
+    assert {"position_ids", "cu_seqlens", "max_seqlen"} <= set(precomputed)
+    assert ("window_index" in precomputed) == (model_type == "qwen2_5_vl")
+    assert ("interp_indices" in precomputed) == (model_type == "qwen3_vl")
+    with torch.no_grad():
+        own = tower(pixels, grid_thw=grid).pooler_output
+        given = tower(pixels, grid_thw=grid, **precomputed).pooler_output
+        assert torch.equal(own, given)
+        hf_packing.apply_rmpad(model_type)
+        try:
+            patched = tower(pixels, grid_thw=grid).pooler_output
+            again = {k: v for k, v in precomputed_vision_inputs(vision, grids).items() if k != ITEM_TOKENS}
+            # as in the patched forward: the host lengths from the collator's grids (`vision_grids`)
+            with host_vision_seqlens(vision_seqlens(vision, grids)), SyncCounter() as counter:
+                patched_given = tower(pixels, grid_thw=grid, **again).pooler_output
+        finally:
+            hf_packing.revert_rmpad(model_type)
+    torch.testing.assert_close(patched, own, rtol=1e-5, atol=1e-6)
+    assert torch.equal(patched, patched_given)
+    assert (counter.total, sum(counter.host_reads.values()), counter.created) == (0, 0, 0), counter.report()
+
+
+def test_deepstack_by_index_equals_transformers_masked_update():
+    """Qwen3-VL's DeepStack update by ``index_add`` at ``nonzero_static`` positions (sized by the collator's count)
+    equals transformers' boolean-mask update, values and gradients, with no sync; without a count it is
+    transformers' own code."""
+    from hf_packing.patches._vision import deepstack_by_index
+    from hf_packing.testing.syncs import SyncCounter
+
+    model = build_tiny_model("qwen3_vl")
+    backbone = model.model
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.rand(2, 9, generator=generator) < 0.4
+    hidden = torch.randn(2, 9, 8, generator=generator, requires_grad=True)
+    embeds = torch.randn(int(mask.sum()), 8, generator=generator, requires_grad=True)
+    own = backbone.language_model._deepstack_process(hidden, mask, embeds)
+    own_grads = torch.autograd.grad(own.square().sum(), (hidden, embeds))
+    with deepstack_by_index(backbone, int(mask.sum())), SyncCounter() as counter:
+        given = backbone.language_model._deepstack_process(hidden, mask, embeds)
+        grads = torch.autograd.grad(given.square().sum(), (hidden, embeds))
+    assert counter.total == 0, counter.report()
+    assert torch.equal(own, given) and all(torch.equal(a, b) for a, b in zip(own_grads, grads))
+    assert "_deepstack_process" not in vars(backbone.language_model)  # the shadow is gone after the block
+    with deepstack_by_index(backbone, None):
+        assert "_deepstack_process" not in vars(backbone.language_model)

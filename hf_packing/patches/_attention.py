@@ -44,7 +44,7 @@ _VISION_SEQLENS: contextvars.ContextVar[tuple[list[int], ...]] = contextvars.Con
 @contextmanager
 def host_vision_seqlens(candidates: tuple[list[int], ...]) -> Iterator[None]:
     """Inside the block, a vision ``cu_seqlens`` of ``len(c) + 1`` entries takes its host lengths from candidate
-    ``c`` (checked on the device) instead of being read back. ``candidates``: one list per distinct boundary
+    ``c`` (trusted: the collator's grids) instead of being read back. ``candidates``: one list per distinct boundary
     set, of distinct lengths (Qwen2.5-VL: frames, and windows when some frame has several)."""
     token = _VISION_SEQLENS.set(candidates)
     try:
@@ -54,13 +54,12 @@ def host_vision_seqlens(candidates: tuple[list[int], ...]) -> Iterator[None]:
 
 
 def _known_seqlens(cu_seqlens: torch.Tensor) -> list[int] | None:
-    """The host lengths of ``cu_seqlens`` from `host_vision_seqlens`, asserted equal on the device; else None."""
-    seqlens = next((c for c in _VISION_SEQLENS.get() if len(c) + 1 == cu_seqlens.shape[0]), None)
-    if seqlens is not None:
-        expected = PackedSequences.from_seqlens(seqlens, device=cu_seqlens.device).cu_seqlens
-        same = (cu_seqlens.to(torch.int32) == expected).all()
-        torch._assert_async(same, "the vision tower's cu_seqlens differ from the ones the batch's grids give")
-    return seqlens
+    """The host lengths of ``cu_seqlens`` from `host_vision_seqlens`, else None.
+
+    Trusted, not re-checked on the device: the tower computes ``cu_seqlens`` from the same grids the collator read
+    (`_vision.vision_seqlens` is tested equal to transformers' own boundaries on odd grids), and a device check would
+    need the host lengths copied to the device every forward."""
+    return next((c for c in _VISION_SEQLENS.get() if len(c) + 1 == cu_seqlens.shape[0]), None)
 
 
 class PackedForward:

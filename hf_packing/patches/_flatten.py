@@ -10,22 +10,23 @@ Every input format transformers accepts is taken, and two sequences are never me
               └──────────────► flat ids a a a b b b b b (c)   cu_seqlens [0, 3, 8, (9)]
 
 Boundaries come from, in order: `VisionCollator`'s host ``seqlens`` (it built the mask and boundaries from
-them; checked here on the device, with no host read); explicit ``cu_seqlens`` / ``cu_seq_lens_q`` (our
-collator, transformers' flash kwargs); the text-position row when position ids restart inside a row that
-has no padding (a restart is a step other than +1, transformers' ``find_packed_sequence_indices`` rule);
+them and checked them in the worker; trusted here: no host read, no tensor made from host data); explicit
+``cu_seqlens`` / ``cu_seq_lens_q`` (our collator, transformers' flash kwargs); the text-position row when position
+ids restart inside a row that has no padding (a restart is a step other than +1, transformers'
+``find_packed_sequence_indices`` rule);
 else one sequence per row of the attention mask. A row that has an attention mask *and* restarting position ids, or
 restarting 3-row M-RoPE positions without a text row, is ambiguous and raises.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.utils import logging
 
-from ..varlen import PackedSequences, index_first_axis, pad_input, validate_attention_mask
+from ..varlen import PackedSequences, index_first_axis, pad_input, token_sequences, validate_attention_mask
 from ._spec import FamilySpec
 
 logger = logging.get_logger("hf_packing")
@@ -42,6 +43,8 @@ class FlatBatch:
         seqs (`PackedSequences`): the sequence boundaries inside the flat row.
         batch, length (`int`): the caller's ``(B, L)``, to re-pad outputs.
         vision_seqlens (`tuple[list[int], ...]`): see `_vision.vision_seqlens`; empty when not known on the host.
+        collated (`bool`): the batch is `VisionCollator`'s (it gave ``seqlens``), checked on the host by the collator.
+        vision_inputs (`dict`): the vision tower's precomputed boundaries and positions (the collator's).
     """
 
     input_ids: torch.Tensor
@@ -53,6 +56,10 @@ class FlatBatch:
     length: int
     #: host lengths of the vision tower's boundaries (`_vision.vision_seqlens`), when the collator gave the grids
     vision_seqlens: tuple[list[int], ...] = ()
+    #: whether the batch is `VisionCollator`'s (it gave ``seqlens``): its host facts were checked in the collator
+    collated: bool = False
+    #: the collator's ``vision_inputs`` (`_vision.precomputed_vision_inputs`): what the tower's helpers would compute
+    vision_inputs: dict[str, Any] = field(default_factory=dict)
 
     def flatten(self, padded: torch.Tensor) -> torch.Tensor:
         """``(B, L, ...)`` → ``(T, ...)`` for any per-token tensor of the caller (labels, shift_labels)."""
@@ -167,18 +174,19 @@ def _dispatch_error(covered: int, real: int) -> ValueError:
 def collated_boundaries(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None, seqlens: list[int]
 ) -> tuple[torch.Tensor, PackedSequences]:
-    """`sequence_boundaries` of a `VisionCollator` batch, from its host ``seqlens``: no host read.
+    """`sequence_boundaries` of a `VisionCollator` batch: no host read, no tensor made from host data.
 
     The collator built the mask (one sample per row, ``mode="rows"``) or ``cu_seq_lens_q`` (one flat row,
-    ``mode="flat"``) from these lengths, so the host checks of `validate_attention_mask` are not repeated; the
-    device checks that the tensors still agree with them (``torch._assert_async``: raises without waiting).
+    ``mode="flat"``) from these lengths and checked them on the host, in the DataLoader worker; the batch is
+    trusted here, not re-checked on the device. The device ``cu_seqlens`` is the batch's own (``cu_seqlens`` /
+    ``cu_seq_lens_q``), else the mask's running row sums; ``seqlens`` gives the host side (``max_seqlen``, the
+    reference backend's split, ``nonzero_static``'s size).
 
     Args:
         input_ids (`torch.LongTensor` of shape `(B, L)`), attention_mask (`(B, L)`, *optional*), cu_seqlens
             (`(n + 1,)`, *optional*), seqlens (`list[int]`, ``n`` host lengths: one per row with a mask).
     """
     device = input_ids.device
-    seqs = PackedSequences.from_seqlens(seqlens, device=device)
     if attention_mask is None:
         if sum(seqlens) != input_ids.numel():
             raise _dispatch_error(sum(seqlens), input_ids.numel())
@@ -189,15 +197,15 @@ def collated_boundaries(
                 f"seqlens lists {len(seqlens)} sequences for {input_ids.shape[0]} rows; VisionCollator(mode='rows') "
                 "gives one per row (under the HF Trainer: call hf_packing.prepare_trainer(trainer))"
             )
-        lengths = attention_mask.to(device).sum(-1)
-        torch._assert_async(
-            (lengths == seqs.cu_seqlens.diff()).all(), "attention_mask does not match VisionCollator's seqlens"
-        )
         indices = torch.nonzero_static(attention_mask.flatten(), size=sum(seqlens)).flatten().to(device)
     if cu_seqlens is not None:
-        same = (cu_seqlens.to(device=device, dtype=torch.int32) == seqs.cu_seqlens).all()
-        torch._assert_async(same, "cu_seqlens does not match VisionCollator's seqlens")
-    return indices, seqs
+        cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    elif attention_mask is not None:  # one sequence per row: the rows' running lengths, on the device
+        lengths = attention_mask.to(device=device, dtype=torch.int32).sum(-1, dtype=torch.int32)
+        cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    else:  # seqlens without tensor boundaries (not VisionCollator's batch): made from the host lengths
+        return indices, PackedSequences.from_seqlens(seqlens, device=device)
+    return indices, PackedSequences(cu_seqlens=cu, max_seqlen=max(seqlens, default=0), seqlens=list(seqlens))
 
 
 def rope_positions(
@@ -257,8 +265,8 @@ def flatten_batch(
     indices, seqs = sequence_boundaries(input_ids, attention_mask, position_ids, cu_seqlens, seqlens)
     flat_ids = index_first_axis(input_ids.flatten(), indices).unsqueeze(0)
     if image_grid_thw is not None or video_grid_thw is not None:
-        # the collator's batch (seqlens): checked on the device; any other caller's: on the host, naming the sequence
-        check = check_placeholders if seqlens is None else assert_placeholders
+        # the collator's batch (seqlens): checked by the collator, on the host; any other caller's: here, on the host
+        check = check_placeholders if seqlens is None else collated_placeholders
         check(backbone.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
     _, mrope = _text_positions(position_ids)
     if mrope is None:
@@ -272,41 +280,26 @@ def flatten_batch(
         )
     flat_pos = mrope.flatten(1).index_select(1, indices.to(mrope.device)).unsqueeze(1)
     flat_types = None if mm_token_type_ids is None else index_first_axis(mm_token_type_ids.flatten(), indices)[None]
-    return FlatBatch(flat_ids, flat_pos, flat_types, indices, seqs, batch, length)
+    return FlatBatch(flat_ids, flat_pos, flat_types, indices, seqs, batch, length, collated=seqlens is not None)
 
 
 def _placeholder_counts(config, flat_ids: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
-    """``(2, n_seqs)`` int64 on the device: image / video placeholder tokens per sequence (no host sync)."""
-    seq_id = torch.repeat_interleave(
-        torch.arange(len(seqs.seqlens), device=flat_ids.device),
-        torch.tensor(seqs.seqlens, device=flat_ids.device),
-        output_size=flat_ids.numel(),  # known on the host: no device sync
-    )
-    counts = torch.zeros(2, len(seqs.seqlens), dtype=torch.long, device=flat_ids.device)
+    """``(2, n_seqs)`` int64 on the device: image / video placeholder tokens per sequence (from the device
+    ``cu_seqlens``: no host sync, no tensor from host data)."""
+    seq_id, _ = token_sequences(seqs, flat_ids.numel(), flat_ids.device)  # 1-based
+    counts = torch.zeros(2, len(seqs.seqlens) + 1, dtype=torch.long, device=flat_ids.device)
     counts[0].index_add_(0, seq_id, (flat_ids == config.image_token_id).long())
     counts[1].index_add_(0, seq_id, (flat_ids == config.video_token_id).long())
-    return counts
+    return counts[:, 1:]
 
 
-def assert_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw) -> None:
-    """`check_placeholders` on the device (``torch._assert_async``: no host read), for the collator's batches.
-
-    The items (in order) land in the right sequences exactly when every running total of the per-sequence
-    placeholder counts is a running total of the items' tokens (``t·h·w / merge²`` each), and the totals agree.
-    """
-    merge = config.vision_config.spatial_merge_size
-    counts = _placeholder_counts(config, flat_ids, seqs)
-    for kind, row_counts, grid in zip(("image", "video"), counts, (image_grid_thw, video_grid_thw)):
-        per_item = counts.new_zeros(0) if grid is None else grid.to(counts.device).long().prod(-1) // merge**2
-        items = torch.nn.functional.pad(per_item.cumsum(0), (1, 0))
-        running = row_counts.cumsum(0)
-        # broadcast compare, not torch.isin: isin sorts with unique (a sync) once the item list is long
-        aligned = (running[:, None] == items[None, :]).any(1).all() & (running[-1] == items[-1])
-        torch._assert_async(
-            aligned,
-            f"{kind.capitalize()} features and {kind} tokens do not match (hf_packing: a sequence's {kind} "
-            f"placeholder tokens differ from {kind}_grid_thw's items assigned to it; re-run the processor)",
-        )
+def collated_placeholders(
+    config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw
+) -> None:
+    """`check_placeholders` for `VisionCollator`'s batches: nothing to do in the step. The collator checked each
+    sample's placeholders against its grids on the host, in the DataLoader worker (``VisionCollator._check``), and
+    a device-side re-check would cost a copy of the host lengths and, on CUDA, turn a clear error into a dead
+    context. (A seam: the sync gate's negative control puts the host check back here.)"""
 
 
 def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw) -> None:

@@ -36,7 +36,14 @@ from ..sequence_parallel_state import SequenceParallelState
 from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS, host_vision_seqlens, inside_packed_forward
 from ._flatten import FlatBatch, flatten_batch
 from ._spec import FamilySpec
-from ._vision import tower_calls, vision_seqlens
+from ._vision import (
+    ITEM_TOKENS,
+    deepstack_by_index,
+    joint_items,
+    tower_calls,
+    trusted_placeholder_masks,
+    vision_seqlens,
+)
 
 #: transformers' flash-style boundary kwargs (DataCollatorWithFlattening, VisionCollator mode='flat').
 HF_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -51,6 +58,8 @@ PACKING_PARAMETERS = (
     inspect.Parameter("seqlens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=list[int] | None),
     # VisionCollator's host copy of the vision grids (images then videos): the tower's boundaries without a read
     inspect.Parameter("vision_grids", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=list | None),
+    # VisionCollator's vision_inputs: what the tower's helpers compute from the grids, computed in the worker
+    inspect.Parameter("vision_inputs", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=dict | None),
     # VisionCollator's per-sequence source ids: the loss sums per source inside `loss.counting_sources`
     inspect.Parameter("source_ids", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=torch.Tensor | None),
 )
@@ -252,6 +261,7 @@ def flatten_call(backbone, spec: FamilySpec, call: dict, extra: dict, packing: d
     )
     if packing["vision_grids"]:
         flat.vision_seqlens = vision_seqlens(backbone.config.vision_config, packing["vision_grids"])
+    flat.vision_inputs = dict(packing["vision_inputs"] or {})
     return flat, vision, {**call, **extra, **{k: v for k, v in rope_extra.items() if v is not None}}
 
 
@@ -284,8 +294,24 @@ def run_backbone(
     try:
         # under SP the tower encodes this rank's share only: its boundaries are not the whole pack's
         known = host_vision_seqlens(flat.vision_seqlens if sp is None else ())
-        towers = tower_calls(backbone, **vision, dummy=dummy_vision, model_kwargs=model_kwargs, sp=sp)
-        with known, towers as dummy, inside_packed_forward():
+        precomputed = flat.vision_inputs if sp is None else {}
+        # images and videos as one kind (DeepStack families): the tower's split and the placeholder masks agree on it
+        joint = flat.collated and joint_items(
+            precomputed, vision["pixel_values"], vision["pixel_values_videos"], model_kwargs
+        )
+        towers = tower_calls(
+            backbone,
+            **vision,
+            dummy=dummy_vision,
+            model_kwargs=model_kwargs,
+            sp=sp,
+            precomputed=precomputed,
+            joint=joint,
+        )
+        trusted = trusted_placeholder_masks(backbone, flat.collated, joint)
+        item_tokens = precomputed.get(ITEM_TOKENS)
+        deepstack = deepstack_by_index(backbone, None if item_tokens is None else sum(item_tokens))
+        with known, towers as dummy, trusted, deepstack, inside_packed_forward():
             outputs = forward(
                 input_ids=flat.input_ids,
                 attention_mask=None,
@@ -466,6 +492,15 @@ def _keep_logits(logits: torch.Tensor, logits_to_keep: int | torch.Tensor) -> to
     return logits[:, logits_to_keep]
 
 
+def _share(num_supervised: int, num_items_in_batch: int | torch.Tensor, device: torch.device) -> float | torch.Tensor:
+    """``num_supervised / num_items_in_batch`` (a count of 0 gives 0): for a tensor count, a Python number divided by
+    it on the device, so no tensor is made from the host number (on a GPU, a copy that would wait for the forward
+    queued before it)."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return num_supervised / num_items_in_batch.to(device).clamp(min=1)
+    return num_supervised / max(num_items_in_batch, 1)
+
+
 def _moe_fields(
     model,
     spec: FamilySpec,
@@ -502,7 +537,7 @@ def _moe_fields(
         )
     if loss is not None:
         weight = text.router_aux_loss_coef
-        if num_items_in_batch is not None:
-            weight = weight * reduce_loss(loss.new_tensor(float(ce.num_supervised)), 0, num_items_in_batch)
+        if num_items_in_batch is not None:  # n_local / num_items_in_batch: a Python number over the Trainer's count
+            weight = weight * _share(ce.num_supervised, num_items_in_batch, loss.device)
         loss = loss + weight * aux_loss.to(loss.device)
     return {"loss": loss, "aux_loss": aux_loss, "router_logits": repad_router_logits(router_logits, flat, sp)}

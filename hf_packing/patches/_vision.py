@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers.utils.generic import ModelOutput
 
+from .. import _compat
 from ..sequence_parallel_comm import SPGroup
 from ..sequence_parallel_shard import encode_vision_split
 
@@ -48,6 +49,18 @@ def _items(output: ModelOutput, keep: slice, rows: slice) -> ModelOutput:
         fields["last_hidden_state"] = output.last_hidden_state[rows]
     part = type(output)()
     for key, value in fields.items():  # item by item: some towers add keys that are not fields (5.17's router_logits)
+        part[key] = value
+    return part
+
+
+def _reordered(output: ModelOutput, order: list[int]) -> ModelOutput:
+    """A tower output (split per item) with its items in ``order``; the pre-merge patches stay as they are."""
+    fields = dict(output.items())
+    fields["pooler_output"] = tuple(output.pooler_output[i] for i in order)
+    if output.get("deepstack_features") is not None:
+        fields["deepstack_features"] = [tuple(layer[i] for i in order) for layer in output.deepstack_features]
+    part = type(output)()
+    for key, value in fields.items():
         part[key] = value
     return part
 
@@ -82,6 +95,115 @@ def vision_seqlens(vision_config, grids: list[list[int]]) -> tuple[list[int], ..
     return (frames,) if windows == frames else (frames, windows)
 
 
+#: Qwen3-VL-style towers' position-embedding interpolation (set in their ``__init__``, not in the config)
+INTERPOLATION = {"mode": "bilinear", "align_corners": True}
+
+
+#: the keys of `precomputed_vision_inputs` that are hf_packing's own (`tower_calls` takes them out before the tower)
+ITEM_TOKENS = "hf_packing_item_tokens"
+ITEM_ORDER = "hf_packing_item_order"
+
+
+def item_order(token_types: torch.Tensor, item_tokens: list[int], n_images: int) -> list[int] | None:
+    """The tower's items (images, then videos) in the order their tokens appear in the flat row, or ``None`` when
+    some item's tokens are not one contiguous run among the visual tokens (then no single order places them).
+
+    Args:
+        token_types (`torch.Tensor` of shape `(T,)`): the flat row's ``mm_token_type_ids`` (1 image, 2 video), host.
+        item_tokens (`list[int]`): each item's placeholder tokens, images then videos.
+        n_images (`int`): how many of the items are images.
+    """
+    visual = token_types[token_types != 0].tolist()  # the modality of each visual token, in row order
+    rank = {1: [], 2: []}  # each modality's tokens' places among the visual tokens
+    for place, kind in enumerate(visual):
+        rank.setdefault(kind, []).append(place)
+    firsts = []
+    for kind, items in ((1, range(n_images)), (2, range(n_images, len(item_tokens)))):
+        start = 0
+        for item in items:
+            places = rank[kind][start : start + item_tokens[item]]
+            if len(places) != item_tokens[item] or places[-1] - places[0] != len(places) - 1:
+                return None
+            firsts.append((places[0], item))
+            start += item_tokens[item]
+    return [item for _, item in sorted(firsts)]
+
+
+def joint_items(precomputed: Mapping[str, Any], pixel_values, pixel_values_videos, model_kwargs) -> bool:
+    """Whether the one tower call hands transformers its images and videos as one modality (`tower_calls`): the
+    collator gave their token order (`ITEM_ORDER`, DeepStack families), the pack holds both, and no per-modality
+    keyword keeps the calls apart."""
+    return (
+        precomputed.get(ITEM_ORDER) is not None
+        and pixel_values is not None
+        and pixel_values_videos is not None
+        and not any(k.startswith(_MODALITY_PREFIXES) for k in model_kwargs)
+    )
+
+
+def _tower_features(inner, pixels: torch.Tensor, grids: torch.Tensor, sizes: list[int], **kwargs: Any) -> ModelOutput:
+    """transformers 5.23's ``get_image_features`` (every family: the tower, then its output split per item, DeepStack
+    features too), with the split sizes given on the host instead of read from ``grids`` (``.tolist()``)."""
+    out = inner.visual(pixels.type(inner.visual.dtype), grid_thw=grids, **kwargs)
+    out.pooler_output = torch.split(out.pooler_output, sizes)
+    if out.get("deepstack_features") is not None:
+        out.deepstack_features = [torch.split(feat, sizes) for feat in out.deepstack_features]
+    return out
+
+
+def precomputed_vision_inputs(
+    vision_config, grids: list[list[int]], *, n_images: int = 0, token_types: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """What the vision tower would compute from ``grids`` on the device, computed here on the host (in the collator's
+    DataLoader worker) with transformers' own helpers, in the keys its tower pops them under (transformers 5.23,
+    `hf_packing._compat.vision_helpers`; ``{}`` on a transformers whose towers do not take them)::
+
+        every family          position_ids (rotary, (N, 2)), cu_seqlens (frames, int32), max_seqlen (int)
+        Qwen2.5-VL            + window_index, cu_window_seqlens, max_window_seqlen (windows)
+        Qwen3-VL, Qwen3.5     + interp_indices, interp_weights (position-embedding interpolation)
+        (ours)                ITEM_TOKENS: each item's merged tokens t·h·w / merge², the split of the tower's output
+        (ours, DeepStack)     ITEM_ORDER: with images and videos, their order in the row (``token_types``: the flat
+                              row's ``mm_token_type_ids``; `item_order`), so they enter the text model as one kind
+
+    On the device each is a host read, a data-dependent ``repeat_interleave`` or a tensor made from host data: 3-9
+    per step. ``grids``: ``[t, h, w]`` per item, images then videos (one tower call takes them in that order).
+    """
+    helpers = _compat.vision_helpers()
+    if helpers is None or not grids:
+        return {}
+    grid = torch.tensor(grids, dtype=torch.long)
+    merge = vision_config.spatial_merge_size
+    cu_seqlens = helpers.get_vision_cu_seqlens(grid)
+    frames = [h * w for t, h, w in grids for _ in range(t)]
+    out = {
+        "position_ids": helpers.get_vision_position_ids(grid, merge),
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": max(frames),
+        ITEM_TOKENS: [t * h * w // merge**2 for t, h, w in grids],
+    }
+    if getattr(vision_config, "window_size", None):
+        window_index, cu_windows = helpers.get_vision_window_index(
+            grid, merge, vision_config.window_size, vision_config.patch_size
+        )
+        windows = vision_seqlens(vision_config, grids)[-1]
+        out.update(window_index=window_index, cu_window_seqlens=cu_windows, max_window_seqlen=max(windows))
+    if getattr(vision_config, "num_position_embeddings", None):
+        indices, weights = helpers.get_vision_interpolation_indices_and_weights(
+            grid,
+            num_grid_per_side=int(vision_config.num_position_embeddings**0.5),
+            spatial_merge_size=merge,
+            **INTERPOLATION,
+        )
+        out.update(interp_indices=indices, interp_weights=weights)
+    if (
+        getattr(vision_config, "deepstack_visual_indexes", None)
+        and token_types is not None
+        and 0 < n_images < len(grids)
+    ):
+        out[ITEM_ORDER] = item_order(token_types, out[ITEM_TOKENS], n_images)
+    return out
+
+
 def _dummy_output(backbone, **kwargs: Any) -> ModelOutput:
     """The tower's output for one 1-frame, ``merge × merge``-patch zero image (``backbone``: the ``XModel``)."""
     vcfg = backbone.config.vision_config
@@ -89,7 +211,8 @@ def _dummy_output(backbone, **kwargs: Any) -> ModelOutput:
     patch_dim = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
     device = backbone.get_input_embeddings().weight.device
     pixels = torch.zeros(merge * merge, patch_dim, device=device, dtype=backbone.visual.dtype)
-    grid = torch.tensor([[1, merge, merge]], device=device)
+    grid = torch.full((1, 3), merge, dtype=torch.long, device=device)  # [[1, merge, merge]], no host data
+    grid[:, 0] = 1
     return type(backbone).get_image_features(backbone, pixels, grid, **{**kwargs, "return_dict": True})
 
 
@@ -118,6 +241,8 @@ def tower_calls(
     dummy: bool,
     model_kwargs: Mapping[str, Any] = MappingProxyType({}),
     sp: SPGroup | None = None,
+    precomputed: Mapping[str, Any] = MappingProxyType({}),
+    joint: bool = False,
 ) -> Iterator[list[torch.Tensor]]:
     """Make the backbone (``XModel``) inside the block call the vision tower exactly once (see the module docstring).
 
@@ -127,6 +252,12 @@ def tower_calls(
     Under sequence parallelism (``sp``) that one call encodes only this rank's share of the pack's temporal units
     (images and video frame groups, balanced by patches) and the features are all-gathered over the SP group
     (`~hf_packing.sequence_parallel_shard.encode_vision_split`); an SP rank that gets no unit encodes the dummy image.
+
+    ``precomputed`` (`precomputed_vision_inputs` of the call's items, images then videos: the collator's
+    ``vision_inputs``) goes to the one tower call, whose helpers pop it instead of computing it on the device; not
+    under sequence parallelism (each rank encodes a share) nor with per-modality keywords (two calls). ``joint``
+    (`joint_items`, decided by the caller with `trusted_placeholder_masks`'s): the images and videos are handed to
+    transformers as images only, in the order of ``precomputed[ITEM_ORDER]``; the videos' call gets nothing.
     """
     inner = backbone
     dummy_terms: list[torch.Tensor] = []
@@ -156,7 +287,7 @@ def tower_calls(
         yield dummy_terms
         return
 
-    encoded: dict[str, ModelOutput] = {}
+    encoded: dict[str, ModelOutput | None] = {}
     kinds = ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw))
     media = [(pixels, grid) for pixels, grid in kinds if pixels is not None]
 
@@ -168,7 +299,12 @@ def tower_calls(
         # return_dict explicitly: before 5.23 transformers let config.return_dict=False turn this into a tuple
         kwargs = {**kwargs, "return_dict": True}
         if sp is None:
-            out = type(inner).get_image_features(inner, pixels, grids, **kwargs)
+            kwargs = {**precomputed, **kwargs}  # the tower's helpers pop these (one fresh dict per call)
+            sizes, order = kwargs.pop(ITEM_TOKENS, None), kwargs.pop(ITEM_ORDER, None)
+            if sizes is None:
+                out = type(inner).get_image_features(inner, pixels, grids, **kwargs)
+            else:
+                out = _tower_features(inner, pixels, grids, sizes, **kwargs)
         else:
             out, term = encode_vision_split(
                 lambda p, g: type(inner).get_image_features(inner, p, g, **kwargs),
@@ -180,6 +316,9 @@ def tower_calls(
             )
             if term is not None:
                 dummy_terms.append(term)
+        if joint:  # images and videos as one kind, in row order: transformers' image path places them all
+            encoded["image"], encoded["video"] = _reordered(out, order), None
+            return
         # the images' patches are pixel_values' rows: a shape, so the split needs no host read of the grids
         n_images, n_patches = (0, 0) if pixel_values is None else (len(image_grid_thw), pixel_values.shape[0])
         encoded["image"] = _items(out, slice(0, n_images), slice(0, n_patches))
@@ -198,3 +337,60 @@ def tower_calls(
         yield dummy_terms
     finally:
         del inner.get_image_features, inner.get_video_features
+
+
+@contextmanager
+def trusted_placeholder_masks(backbone, trusted: bool, joint: bool = False) -> Iterator[None]:
+    """Inside the block (when ``trusted``: the collator's batch) the backbone's ``get_placeholder_mask`` skips its
+    feature-count checks: it is called without the features, which is how transformers asks for the masks alone.
+
+    Those checks (``torch_compilable_check(n_tokens * hidden == features.numel(), f"... {n_tokens} ...")``) read the
+    count back twice per modality (the check, and the f-string that formats a 0-d tensor): 2-4 syncs per step. The
+    collator checked every sample's placeholders against its grids on the host (``VisionCollator._check``), and
+    the tower gives ``t·h·w / merge²`` features per item by construction. Other callers keep transformers' checks.
+
+    ``joint`` (`joint_items`): the image mask covers the video tokens too, where `tower_calls` hands transformers
+    the images and videos as one kind, in row order; the DeepStack families then need no merge of the two
+    (transformers' is boolean-mask indexing and ``new_zeros(mask.sum())``: 5 syncs in forward, 3 in backward).
+    """
+    if not trusted:
+        yield
+        return
+    original = type(backbone).get_placeholder_mask
+
+    def get_placeholder_mask(input_ids, inputs_embeds=None, image_features=None, video_features=None, **kwargs):
+        image_mask, video_mask = original(backbone, input_ids, inputs_embeds=inputs_embeds, **kwargs)
+        return (image_mask | video_mask, video_mask) if joint else (image_mask, video_mask)
+
+    backbone.get_placeholder_mask = get_placeholder_mask  # an instance attribute: this forward only
+    try:
+        yield
+    finally:
+        del backbone.get_placeholder_mask
+
+
+@contextmanager
+def deepstack_by_index(backbone, visual_tokens: int | None) -> Iterator[None]:
+    """Inside the block, Qwen3-VL's ``_deepstack_process`` (adding each DeepStack layer's features at the visual
+    tokens) selects those tokens with a fixed-size ``nonzero_static`` instead of a boolean mask: ``visual_tokens``,
+    the number of image and video tokens of the call (the collator's, known on the host), sizes it. transformers'
+    ``hidden[mask] + features; hidden[mask] = ...`` costs 2 syncs per DeepStack layer in forward and as many in
+    backward; the same sums by ``index_add``, none. ``None`` (not the collator's batch, or sequence parallelism,
+    whose ranks hold a slice of the tokens), or a backbone without DeepStack: transformers' own code.
+    """
+    text = getattr(backbone, "language_model", None)
+    if visual_tokens is None or not hasattr(type(text), "_deepstack_process"):
+        yield
+        return
+
+    def _deepstack_process(hidden_states, visual_pos_masks, visual_embeds):
+        rows = hidden_states.flatten(0, -2)  # (B·L, H)
+        where = torch.nonzero_static(visual_pos_masks.to(rows.device).flatten(), size=visual_tokens).flatten()
+        added = rows.index_add(0, where, visual_embeds.to(rows.device, rows.dtype))
+        return added.view_as(hidden_states)
+
+    text._deepstack_process = _deepstack_process  # an instance attribute: this forward only
+    try:
+        yield
+    finally:
+        del text._deepstack_process
