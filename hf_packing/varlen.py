@@ -339,19 +339,20 @@ def select_backend(backend: str, device: torch.device, kernel_dtype: torch.dtype
         `tuple[str, str | None]`: the backend's name and the reason, which `varlen_attention` warns once.
     """
     name = resolve_backend(backend, device)
-    if backend != "auto" or device.type != "cuda":
+    if backend != "auto":
         return name, None
+    cuda = device.type == "cuda"  # elsewhere the reference is the expected path: nothing to warn about
     if name == "reference":
         return name, (
             "no varlen kernel is available here: install flash-attn (pip install 'hf_packing[flash]') or use "
             "torch>=2.9 (torch_varlen)"
-        )
+        ) if cuda else None
     if kernel_dtype is None:
         return "reference", (
             "the attention inputs are fp32 with autocast off, which no varlen kernel takes: train with bf16=True "
             "(autocast; or run the step under torch.autocast('cuda', dtype=torch.bfloat16)), or load the model in "
             "bfloat16; attn_backend='reference' chooses this path without a warning"
-        )
+        ) if cuda else None
     return name, None
 
 

@@ -261,7 +261,14 @@ def flatten_call(backbone, spec: FamilySpec, call: dict, extra: dict, packing: d
     )
     if packing["vision_grids"]:
         flat.vision_seqlens = vision_seqlens(backbone.config.vision_config, packing["vision_grids"])
-    flat.vision_inputs = dict(packing["vision_inputs"] or {})
+    # the Trainer moves nested batch tensors; a caller that moved only the top level gets them moved here (a no-op
+    # when they are already there)
+    pixels = next((vision[k] for k in ("pixel_values", "pixel_values_videos") if vision.get(k) is not None), None)
+    device = pixels.device if pixels is not None else flat.input_ids.device
+    flat.vision_inputs = {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in (packing["vision_inputs"] or {}).items()
+    }
     return flat, vision, {**call, **extra, **{k: v for k, v in rope_extra.items() if v is not None}}
 
 
