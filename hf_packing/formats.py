@@ -268,7 +268,7 @@ def _message(
     if "role" not in message and "from" in message:
         sharegpt = True
     if sharegpt:
-        speaker = _text(message.pop("from", message.pop("role", None)), index)
+        speaker = _text(message.pop("from") if "from" in message else message.pop("role", None), index)
         role = _ROLES.get(speaker.lower())
         if role is None:
             raise SampleError("bad_row", f"unknown role {speaker!r} (known: {sorted(_ROLES)})")

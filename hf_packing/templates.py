@@ -191,6 +191,6 @@ class ChatRenderer:
                 continue
             if self.empty_thinking == "mask":
                 empty = _EMPTY_THINK.match(text, start, end)
-                start = empty.end() if empty and "</think>" in empty.group() else start
+                start = empty.end() if empty else start
             spans.append((start, end + len(footer)))
         return spans
