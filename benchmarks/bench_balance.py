@@ -36,8 +36,8 @@ TOLERANCE = 0.02
 
 def packs_of(mix: dict[str, np.ndarray], max_length: int) -> tuple[list[float], list[float]]:
     """Full and text-only cost of every pack of the mix (Qwen2.5-VL-7B weights)."""
-    from hf_packing.balance import WorkCost
-    from hf_packing.planner import plan_packs
+    from hf_packing.packing.balance import WorkCost
+    from hf_packing.packing.planner import plan_packs
 
     keep = mix["lengths"] <= max_length
     lengths = mix["lengths"][keep]
@@ -71,7 +71,7 @@ def before(costs: list[float], world: int, per_rank: int) -> list[list[int]]:
 
 
 def consecutive(method: str) -> Callable[[list[float], int, int], list[list[int]]]:
-    from hf_packing.balance import partition
+    from hf_packing.packing.balance import partition
 
     def run(costs: list[float], world: int, per_rank: int) -> list[list[int]]:
         size, groups = world * per_rank, []
@@ -85,7 +85,7 @@ def consecutive(method: str) -> Callable[[list[float], int, int], list[list[int]
 
 
 def windowed(window: int, method: str) -> Callable[[list[float], int, int], list[list[int]]]:
-    from hf_packing.balance import schedule
+    from hf_packing.packing.balance import schedule
 
     def run(costs: list[float], world: int, per_rank: int) -> list[list[int]]:
         usable, size, groups = len(costs) - len(costs) % world, window * world * per_rank, []
@@ -101,14 +101,14 @@ def windowed(window: int, method: str) -> Callable[[list[float], int, int], list
 
 
 def spread(groups: list[list[int]], true: list[float], per_rank: int) -> float:
-    from hf_packing.balance import step_spread
+    from hf_packing.packing.balance import step_spread
 
     steps = [groups[k : k + per_rank] for k in range(0, len(groups), per_rank)]
     return step_spread([[sum(true[g[r]] for g in step) for r in range(len(step[0]))] for step in steps])
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hf_packing.balance import PARTITIONS
+    from hf_packing.packing.balance import PARTITIONS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-write", action="store_true")

@@ -180,7 +180,7 @@ def make_packs(config, max_length: int, count: int, seed: int = 0) -> list[list[
     """``count`` packs of LLaVA-like samples, BFD-planned to at most ``max_length`` tokens."""
     from bench_packing import _image_sample, llava_mix
 
-    from hf_packing.planner import plan_packs
+    from hf_packing.packing.planner import plan_packs
 
     merge = config.vision_config.spatial_merge_size
     patch_dim = (

@@ -47,7 +47,7 @@ def make_dataset(rows: int, images: int, folder: Path) -> Any:
 
 
 def pack(ds: Any, processor: Any, root: Path, **kw: Any) -> Any:
-    from hf_packing.stream import pack_dataset
+    from hf_packing.packing.dataset import pack_dataset
 
     return pack_dataset(ds, processor, max_length=8192, media_root=str(root), disable_progress=True, **kw)
 
@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoProcessor
 
-    from hf_packing.data import Preprocessor
-    from hf_packing.length_index import build_length_index
-    from hf_packing.sources import MapSource
+    from hf_packing.packing.length_index import build_length_index
+    from hf_packing.packing.readers import MapSource
+    from hf_packing.preprocess.preprocessor import Preprocessor
 
     torch.set_num_threads(1)
     pa.set_cpu_count(1)

@@ -27,7 +27,7 @@ the end-to-end data path is pinned to one core (``os.sched_setaffinity``), produ
 
 Also: streaming BFD variants (``VARIANTS``: without re-planning, without carry-over, with image/patch budgets that do
 not bind and with a ``max_images`` that does); `VisionCollator` latency per 8k-token pack (pre-processed tensors, no
-image processing) in ``rows`` and ``flat`` mode; and, when ``hf_packing.stream.pack_dataset`` exists, the end-to-end
+image processing) in ``rows`` and ``flat`` mode; and, when ``hf_packing.packing.dataset.pack_dataset`` exists, the end-to-end
 data path (JPEG decode + tiny Qwen2.5-VL processor + planning + collation) in samples/s.
 
 Run: ``python benchmarks/bench_packing.py`` (about 5 minutes; ``--quick`` for a smoke run).
@@ -177,8 +177,8 @@ def max_images_section(n: int, max_lengths: list[int], buffer: int) -> str:
     `None`, with `PackingConfig`'s default `max_vision_patches` (65,536), on the LLaVA-like, document and small-image
     mixes: what `PackingConfig.max_images`' default is chosen from (docs/packer.md)."""
     from hf_packing.config import PackingConfig
-    from hf_packing.pack_stats import pack_stats
-    from hf_packing.planner import StreamingPlanner
+    from hf_packing.packing.planner import StreamingPlanner
+    from hf_packing.packing.stats import pack_stats
 
     mixes = {"llava": llava_mix(n), "docs": docs_mix(n // 5), "small images": small_mix(n)}
     patches_budget = PackingConfig.max_vision_patches
@@ -280,8 +280,9 @@ def planner_section(
     buffer: int,
     skip_trl: bool,
 ) -> tuple[str, dict[str, Any]]:
-    from hf_packing.pack_stats import pack_stats, padded_fill_at_batch
-    from hf_packing.planner import STRATEGIES, plan_packs
+    from hf_packing.config import STRATEGIES
+    from hf_packing.packing.planner import plan_packs
+    from hf_packing.packing.stats import pack_stats, padded_fill_at_batch
 
     trl_pack = None if skip_trl else _trl_pack()
     rows, checks = [], {"fill": [], "speed": [], "trl": {}}
@@ -424,8 +425,8 @@ def variants_section(
     mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[int], *, warmup: int, repeats: int, buffer: int
 ) -> str:
     """Fill and items/s of streaming BFD variants (`VARIANTS`), interleaved like the main table."""
-    from hf_packing.pack_stats import pack_stats
-    from hf_packing.planner import StreamingPlanner
+    from hf_packing.packing.planner import StreamingPlanner
+    from hf_packing.packing.stats import pack_stats
 
     rows = []
     for mix_name, mix in mixes.items():
@@ -480,8 +481,8 @@ def buffer_sweep(
 
     Returns the table and, per (mix, max_length), the smallest swept buffer reaching `TARGET_FILL` (None: none does).
     """
-    from hf_packing.pack_stats import pack_stats
-    from hf_packing.planner import plan_packs
+    from hf_packing.packing.planner import plan_packs
+    from hf_packing.packing.stats import pack_stats
 
     rows, smallest = [], {}
     for mix_name, mix in mixes.items():
@@ -694,15 +695,17 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def e2e_run(num_samples: int) -> dict[str, Any] | str:
-    """End-to-end samples/s of ``hf_packing.stream.pack_dataset`` on real JPEGs, if the module exists.
+    """End-to-end samples/s of ``hf_packing.packing.dataset.pack_dataset`` on real JPEGs, if the module exists.
 
     The main thread is pinned to the least busy core first, so the producer thread (created later) inherits it and
     the whole data path shares one core.
     """
     try:
-        from hf_packing.stream import pack_dataset
+        from hf_packing.packing.dataset import pack_dataset
     except Exception as exc:  # noqa: BLE001
-        return f"Skipped: `hf_packing.stream.pack_dataset` is not importable here ({type(exc).__name__}: {exc})."
+        return (
+            f"Skipped: `hf_packing.packing.dataset.pack_dataset` is not importable here ({type(exc).__name__}: {exc})."
+        )
     allowed = os.sched_getaffinity(0)
     core = C.idlest_core()
     os.sched_setaffinity(0, {core})

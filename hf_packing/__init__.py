@@ -27,23 +27,23 @@ _LAZY = {
     "apply_rmpad": "hf_packing.patches",
     "revert_rmpad": "hf_packing.patches",
     "supported_model_types": "hf_packing.patches",
-    "plan_packs": "hf_packing.planner",
-    "pack_dataset": "hf_packing.stream",
+    "plan_packs": "hf_packing.packing.planner",
+    "pack_dataset": "hf_packing.packing.dataset",
     "PackingConfig": "hf_packing.config",
     "VisionCollator": "hf_packing.collator",
-    "prepare_trainer": "hf_packing.trainer",
-    "end_distributed": "hf_packing.distributed",
-    "end_process": "hf_packing.distributed",
+    "prepare_trainer": "hf_packing.training.trainer",
+    "end_distributed": "hf_packing.training.distributed",
+    "end_process": "hf_packing.training.distributed",
 }
 
 if TYPE_CHECKING:
     from .collator import VisionCollator
     from .config import PackingConfig
-    from .distributed import end_distributed, end_process
+    from .packing.dataset import pack_dataset
+    from .packing.planner import plan_packs
     from .patches import apply_rmpad, revert_rmpad, supported_model_types
-    from .planner import plan_packs
-    from .stream import pack_dataset
-    from .trainer import prepare_trainer
+    from .training.distributed import end_distributed, end_process
+    from .training.trainer import prepare_trainer
 
 
 def __getattr__(name: str) -> Any:

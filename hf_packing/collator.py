@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from .checks import check_processor
-from .data import VISION_KEYS
-from .loss import IGNORE_INDEX
-from .source_ids import SOURCE_ID
+from .ops.loss import IGNORE_INDEX
+from .packing.source_ids import SOURCE_ID
+from .preprocess.checks import check_processor
+from .preprocess.preprocessor import VISION_KEYS
 
 logger = logging.getLogger("hf_packing")
 
@@ -108,7 +108,7 @@ class VisionCollator:
     `hf_packing.patches._vision.precomputed_vision_inputs`; transformers 5.23). When the
     samples carry ``source_id`` (`pack_dataset` of a ``{name: dataset}`` mix, or with ``source_column``), both
     modes add ``source_ids``, int64 ``(n_seqs,)``: each sequence's source, in ``cu_seqlens`` order, for the
-    per-source loss (`hf_packing.source_ids`).
+    per-source loss (`hf_packing.packing.source_ids`).
 
     Returns (``__call__``), ``"rows"``: ``input_ids``/``labels``/``attention_mask``/``mm_token_type_ids`` ``(B, L)``,
     the concatenated vision tensors, optional ``position_ids (3, B, L)``, ``cu_seqlens`` int32 ``(B+1,)`` and

@@ -1,4 +1,5 @@
-"""`PackingConfig`: every setting of [`~hf_packing.stream.pack_dataset`], once, with its default, type and help.
+"""`PackingConfig`: every setting of [`~hf_packing.packing.dataset.pack_dataset`], once, with its default, type and
+help.
 
 `transformers.HfArgumentParser` reads it from YAML or the command line (`recipes/train.py`, `hf-packing stats`), and
 `pack_dataset(ds, processor, config, **overrides)` resolves keyword overrides into it, so no option is declared twice.
@@ -20,9 +21,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .images import MAX_IMAGE_PIXELS
-from .planner import DEFAULT_STRATEGY, STRATEGIES
-
 __all__ = ["PackingConfig", "per_source_flags"]
 
 # HfArgumentParser gives a union flag the type of the union's second member, so `str` stands second in these: the flag
@@ -36,6 +34,9 @@ JSON_FIELDS = ("weights", "media_root", "video_root", "fps", "videos_kwargs", "r
 #: fields that must be >= 1
 POSITIVE_FIELDS = ("buffer_size", "prefetch", "batch_size", "balance_window", "skip_check_rows")
 #: how a mix ends: `None` (every row once without weights, "first_exhausted" with them) or datasets' own names
+STRATEGIES: tuple[str, ...] = ("next_fit", "bfd")  # the planner's bin-packing strategies
+DEFAULT_STRATEGY = "bfd"  # plan_packs', StreamingPlanner's and PackingConfig's
+MAX_IMAGE_PIXELS = 89_478_485  # PIL's decompression-bomb limit
 STOPPING_STRATEGIES = (None, "first_exhausted", "all_exhausted", "all_exhausted_without_replacement")
 
 
@@ -46,9 +47,9 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
 
 @dataclass
 class PackingConfig:
-    """The settings of [`~hf_packing.stream.pack_dataset`]: what a pack holds, how rows are read and mixed, what
-    happens to bad rows, and how the stream is split over ranks and DataLoader workers (each field's help says what it
-    does and what it costs). The process topology (`rank`, `world_size`, `sequence_parallel_size`) and the model
+    """The settings of [`~hf_packing.packing.dataset.pack_dataset`]: what a pack holds, how rows are read and mixed,
+    what happens to bad rows, and how the stream is split over ranks and DataLoader workers (each field's help says
+    what it does and what it costs). The process topology (`rank`, `world_size`, `sequence_parallel_size`) and the model
     (`model_config`) are not settings of the data: they are `pack_dataset` arguments (see there).
 
     Example:
@@ -63,7 +64,7 @@ class PackingConfig:
     max_length: int = field(default=8192, metadata=_help("token budget per pack"))
     strategy: str = field(
         default=DEFAULT_STRATEGY,
-        metadata=_help(f"bin packing over the planner window: one of {STRATEGIES} (see hf_packing/planner.py)"),
+        metadata=_help(f"bin packing over the planner window: one of {STRATEGIES} (see hf_packing/packing/planner.py)"),
     )
     max_images: int | None = field(
         default=None,
@@ -114,7 +115,8 @@ class PackingConfig:
             """how video files are sampled and resized, in the video processors' names: fps (frames per second of
             video; default the processor's, else 2.0) or num_frames, min_frames, max_frames, min_pixels, max_pixels
             (per video, the processor's `size`), do_sample_frames; one dict for all sources, a list or {source: dict}
-            (JSON on a command line, e.g. '{"fps": 2, "max_frames": 64}'). See hf_packing/video_sampling.py"""
+            (JSON on a command line, e.g. '{"fps": 2, "max_frames": 64}'). See
+            hf_packing/preprocess/video_sampling.py"""
         ),
     )
     row_format: DictSetting = field(
@@ -206,7 +208,7 @@ class PackingConfig:
         default="auto",
         metadata=_help(
             """for a datasets.Dataset (or a mix's map-style sources): "auto" or "true" estimate every row once into
-            cached columns next to the dataset's cache files (hf_packing/length_index.py), a directory puts them
+            cached columns next to the dataset's cache files (hf_packing/packing/length_index.py), a directory puts them
             there; the first process of each node builds it, the others wait and read it. "false" (or False): every
             replica estimates every row. Streaming sources always estimate as they read"""
         ),
@@ -221,7 +223,7 @@ class PackingConfig:
         default=None,
         metadata=_help(
             "the column naming each row's source, for per-source loss and accuracy (a {name: dataset} mix is tagged "
-            "by its keys without it); see hf_packing/source_ids.py"
+            "by its keys without it); see hf_packing/packing/source_ids.py"
         ),
     )
 

@@ -145,7 +145,7 @@ def prepare_training_args(args: TrainingArguments) -> TrainingArguments:
 
 def load_one(path: str, *, streaming: bool) -> Any:
     """A saved ``datasets`` dir or local data files (a file, glob or directory of them), split ``train``."""
-    from hf_packing.sources import load_local
+    from hf_packing.packing.readers import load_local
 
     return load_local(path, streaming=streaming)
 
@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> Trainer:
     from transformers import AutoConfig, AutoProcessor
 
     from hf_packing import VisionCollator, end_distributed, prepare_trainer
-    from hf_packing.balance import WorkCost
-    from hf_packing.stream import pack_dataset
+    from hf_packing.packing.balance import WorkCost
+    from hf_packing.packing.dataset import pack_dataset
 
     model_args, data_args, packing, training_args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)
@@ -291,8 +291,9 @@ def main(argv: list[str] | None = None) -> Trainer:
             AutoConfig.from_pretrained(model_args.model_name_or_path),
             vision_trainable=not model_args.freeze_vision_tower,
         ),  # ranks balanced on this model's text and vision work
-        rank=training_args.process_index // model_args.sequence_parallel_size,  # SP ranks share their packs
+        rank=training_args.process_index // model_args.sequence_parallel_size,
         world_size=training_args.world_size // model_args.sequence_parallel_size,
+        sequence_parallel_size=model_args.sequence_parallel_size,  # SP ranks share their packs
     )
     # per-source lists follow dataset_path's order, the order of `sources`
     packs = pack(

@@ -19,7 +19,8 @@ from types import ModuleType
 
 import torch
 
-from hf_packing import _compat, varlen
+from hf_packing import _compat
+from hf_packing.ops import varlen
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -270,7 +271,7 @@ def install_linear_kernels(monkeypatch) -> dict[str, list[torch.dtype]]:
     """Use the FLA stand-ins on CPU; returns, per op, the dtype of every call's first input."""
     from types import SimpleNamespace
 
-    from hf_packing import linear_attention
+    from hf_packing.ops import linear_attention
 
     calls: dict[str, list[torch.dtype]] = {"chunk_gated_delta_rule": [], "causal_conv1d": []}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_packing.distributed import end_distributed, end_process
+from hf_packing.training.distributed import end_distributed, end_process
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -56,4 +56,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.distributed)
+    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.training.distributed)

@@ -40,14 +40,14 @@ def main() -> None:
     from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
     import hf_packing
-    import hf_packing.evaluation
+    import hf_packing.training.evaluation
     from hf_packing import VisionCollator, pack_dataset, prepare_trainer
 
     processor = AutoProcessor.from_pretrained(config["model"])
     if config["patched"]:
         hf_packing.apply_rmpad("qwen2_5_vl")
     if config.get("no_eval_view"):
-        hf_packing.stream.PackedDataset.for_evaluation = lambda self: self
+        hf_packing.packing.dataset.PackedDataset.for_evaluation = lambda self: self
 
     def compute_metrics(prediction):
         return {"label_tokens": int((prediction.label_ids != -100).sum())}
@@ -98,9 +98,9 @@ def main() -> None:
                 )
                 prefix = f"eval_{max_length}" + ("" if precision == "fp32" else f"_{precision}") + mode
                 collator.calls, trainer.compute_metrics = [], None if mode else compute_metrics
-                recording = hf_packing.evaluation.recording_token_counts
+                recording = hf_packing.training.evaluation.recording_token_counts
                 if mode == "_control":  # the counts only as output attributes, which autocast's wrapper drops
-                    hf_packing.evaluation.recording_token_counts = contextlib.nullcontext
+                    hf_packing.training.evaluation.recording_token_counts = contextlib.nullcontext
                 try:
                     if mode == "_as_train":  # one object as both sets: evaluate() with no argument
                         trainer.train_dataset = trainer.eval_dataset = packs
@@ -113,7 +113,7 @@ def main() -> None:
                     errors[prefix] = str(error)
                     continue
                 finally:
-                    hf_packing.evaluation.recording_token_counts = recording
+                    hf_packing.training.evaluation.recording_token_counts = recording
                 evaluated[prefix] = [call["indices"] for call in collator.calls]
                 metrics.update(
                     {k: v for k, v in result.items() if k.endswith(("_loss", "_token_accuracy", "_label_tokens"))}
@@ -129,6 +129,6 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()
-    from hf_packing.distributed import end_process
+    from hf_packing.training.distributed import end_process
 
-    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.distributed)
+    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.training.distributed)

@@ -82,6 +82,6 @@ def main(model_type: str, out: str, separate: bool) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], separate=sys.argv[3:] == ["separate"])
-    from hf_packing.distributed import end_process
+    from hf_packing.training.distributed import end_process
 
-    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.distributed)
+    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.training.distributed)

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import load_processor  # noqa: E402
 
-from hf_packing.pack_stats import TooManySkipsError  # noqa: E402
-from hf_packing.stream import pack_dataset  # noqa: E402
+from hf_packing.packing.dataset import pack_dataset  # noqa: E402
+from hf_packing.packing.stats import TooManySkipsError  # noqa: E402
 
 
 def main(out: Path) -> None:

@@ -37,7 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_packing.distributed import end_distributed, end_process
+from hf_packing.training.distributed import end_distributed, end_process
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -82,7 +82,7 @@ def each_sample_alone(model, samples: list[dict], total: int) -> float:
 
 def linear_controls(control: str | None) -> None:
     """Qwen3.5's negative controls: the linear-attention ops see the whole (padded) pack as one sequence."""
-    from hf_packing import linear_attention
+    from hf_packing.ops import linear_attention
 
     def merged(fn, at: int):
         def call(*args, **kwargs):
@@ -115,7 +115,9 @@ def run(
     group = rank // size
 
     import hf_packing
-    from hf_packing import VisionCollator, sequence_parallel, sequence_parallel_shard
+    from hf_packing import VisionCollator
+    from hf_packing.parallel import shard as sequence_parallel_shard
+    from hf_packing.patches import sequence_parallel
     from hf_packing.testing.tiny import build_tiny_model
     from tests.conftest import FIXTURES, load_processor, processed_samples
 
@@ -189,14 +191,14 @@ def run(
             sequence_parallel_shard,
             "shard_position_ids",
             lambda pos, sp: torch.arange(
-                sequence_parallel.padded_length(pos.shape[-1], sp.size) // sp.size, dtype=pos.dtype
+                sequence_parallel_shard.padded_length(pos.shape[-1], sp.size) // sp.size, dtype=pos.dtype
             ).expand(pos.shape[0], 1, -1),
         )
     elif control == "boundaries":
         MONKEYPATCH.setattr(
             sequence_parallel_shard,
             "padded_sequences",
-            lambda seqs, p: type(seqs).from_seqlens([sequence_parallel.padded_length(int(seqs.cu_seqlens[-1]), p)]),
+            lambda seqs, p: type(seqs).from_seqlens([sequence_parallel_shard.padded_length(int(seqs.cu_seqlens[-1]), p)]),
         )
     state = sequence_parallel.current_state()  # apply_rmpad's: its timer is the one the telemetry reads
     if checkpointing:  # non-reentrant: backward recomputes each layer, its all-to-alls included
@@ -214,7 +216,7 @@ def run(
     mine = packs[2 * group : 2 * group + 2]
     num_items = torch.tensor(sum(counts[2 * group : 2 * group + 2]))
     dist.all_reduce(num_items)  # the Trainer's gather: every rank's count, each pack counted P times
-    from hf_packing.telemetry import PackingTelemetry
+    from hf_packing.training.telemetry import PackingTelemetry
 
     telemetry = PackingTelemetry()
     tower_rows: list[int] = []  # pixel rows (patches) this rank's tower encodes per call
@@ -261,7 +263,7 @@ def run(
     everyone = [torch.zeros_like(share) for _ in range(world)]
     dist.all_gather(everyone, share)
     state.timer.enable(False)
-    pad = sum(sequence_parallel.padded_length(n, size) - n for n in lengths)
+    pad = sum(sequence_parallel_shard.padded_length(n, size) - n for n in lengths)
     trained.eval()
     with torch.no_grad(), amp:
         sp_eval = trained(**packs[2 * group])
@@ -320,11 +322,11 @@ def _per_shard_aux(router_logits, num_experts: int, top_k: int, sp, total: int):
 
 
 def packer_groups(size: int) -> dict:
-    """`pack_dataset` without rank / world / SP arguments, after `apply_rmpad(sequence_parallel_size=P)`: which
-    samples each rank gets. Ranks of one SP group must get the same packs, groups disjoint ones."""
+    """`pack_dataset(sequence_parallel_size=P)` without rank / world arguments: which samples each rank gets. Ranks of one SP group must get the same packs, groups disjoint ones."""
     from datasets import Dataset
 
-    from hf_packing import pack_dataset, sequence_parallel
+    from hf_packing import pack_dataset
+    from hf_packing.patches import sequence_parallel
     from tests.conftest import load_processor
 
     assert sequence_parallel.current_size() == size
@@ -332,7 +334,13 @@ def packer_groups(size: int) -> dict:
         {"conversations": [{"from": "human", "value": f"Row {i} " + "this " * (i % 7)}, {"from": "gpt", "value": "ok"}]}
         for i in range(24)
     ]
-    packs = pack_dataset(Dataset.from_list(rows), load_processor("qwen2_5_vl"), max_length=64, disable_progress=True)
+    packs = pack_dataset(
+        Dataset.from_list(rows),
+        load_processor("qwen2_5_vl"),
+        max_length=64,
+        disable_progress=True,
+        sequence_parallel_size=size,
+    )
     mine = [[int(s["index"]) for s in pack] for pack in packs]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -349,4 +357,4 @@ def packer_groups(size: int) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.distributed)
+    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.training.distributed)

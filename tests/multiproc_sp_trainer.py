@@ -32,6 +32,6 @@ def main(out: str, model: str, data: str, sp: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
-    from hf_packing.distributed import end_process
+    from hf_packing.training.distributed import end_process
 
-    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.distributed)
+    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.training.distributed)

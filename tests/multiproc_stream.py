@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import image, load_processor  # noqa: E402
 
-from hf_packing.distributed import end_distributed, end_process  # noqa: E402
-from hf_packing.stream import pack_dataset  # noqa: E402
+from hf_packing.packing.dataset import pack_dataset  # noqa: E402
+from hf_packing.training.distributed import end_distributed, end_process  # noqa: E402
 
 SHARDS = (5, 17, 44)
 
@@ -99,4 +99,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.distributed)
+    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.training.distributed)

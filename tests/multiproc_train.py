@@ -207,9 +207,9 @@ def main() -> None:
 
 
 def train_without_prepare_trainer(model: Any, args: Any, packs: Any, collator: Any) -> str | None:
-    """A Trainer on `pack_dataset`'s packs without `prepare_trainer`: before the check in `hf_packing.prepared`, each
-    rank trained on every other pack of its stream and exited 0. Returns the error its first step raised (None if it
-    trained), after checking the model took no optimizer step."""
+    """A Trainer on `pack_dataset`'s packs without `prepare_trainer`: before the check in
+    `hf_packing.patches.prepared`, each rank trained on every other pack of its stream and exited 0. Returns the error
+    its first step raised (None if it trained), after checking the model took no optimizer step."""
     import gc
 
     from transformers import Trainer
@@ -268,6 +268,6 @@ def use_stateful_packs(trainer: Any, resume: str | None, rank: int) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()
-    from hf_packing.distributed import end_process
+    from hf_packing.training.distributed import end_process
 
-    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.distributed)
+    end_process()  # skip interpreter finalization, as multiprocessing's children do (hf_packing.training.distributed)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import hf_packing
+from hf_packing.ops.varlen import PackedSequences
 from hf_packing.patches import _forward, revert_rmpad
 from hf_packing.patches._spec import FAMILIES
-from hf_packing.varlen import PackedSequences
 from tests.conftest import MODEL_TYPES, processed_batch
 from tests.test_patches import model_and_processor
 

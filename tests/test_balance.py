@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_packing.balance import PARTITIONS, WorkCost, partition, schedule, step_spread
+from hf_packing.packing.balance import PARTITIONS, WorkCost, partition, schedule, step_spread
 
 
 def test_default_cost_is_qwen2_5_vl_7b():
@@ -21,8 +21,8 @@ def test_default_cost_is_qwen2_5_vl_7b():
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_cost_weights_agree_with_telemetry(model_type):
     """The config-only count against telemetry's count of the real parameters (biases and norms are the gap)."""
-    from hf_packing.telemetry import ModelFlops
     from hf_packing.testing.tiny import build_tiny_model
+    from hf_packing.training.telemetry import ModelFlops
 
     model = build_tiny_model(model_type)
     flops, cost = ModelFlops.from_model(model), WorkCost.from_config(model.config)

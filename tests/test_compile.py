@@ -108,8 +108,8 @@ def test_qwen3_5_linear_attention_compiles_once_for_all_packs():
     per graph)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    from hf_packing.linear_attention import reference_causal_conv1d, reference_gated_delta_rule
-    from hf_packing.varlen import PackedSequences
+    from hf_packing.ops.linear_attention import reference_causal_conv1d, reference_gated_delta_rule
+    from hf_packing.ops.varlen import PackedSequences
 
     chunk_rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
     conv = inspect.unwrap(modeling_qwen3_5.causal_conv1d_fn)

@@ -16,7 +16,7 @@ from datasets import Dataset
 from transformers import HfArgumentParser
 
 from hf_packing import PackingConfig
-from hf_packing.stream import pack_dataset
+from hf_packing.packing.dataset import pack_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = PackingConfig.names()
@@ -179,7 +179,10 @@ def test_no_setting_is_declared_twice():
     assert [n for n, p in parameters.items() if p.default is not inspect.Parameter.empty] == list(RUNTIME)
     assert not set(RUNTIME) & set(NAMES)
     files = [ROOT / "recipes" / "train.py", *sorted((ROOT / "hf_packing" / "cli").glob("*.py"))]
-    files += [ROOT / "hf_packing" / name for name in ("stream.py", "data.py", "planner.py")]  # the layers below
+    files += [
+        ROOT / "hf_packing" / name
+        for name in ("packing/dataset.py", "preprocess/preprocessor.py", "packing/planner.py")
+    ]  # the layers below
     assert len(files) >= 8
     assert [hit for path in files for hit in restated(path.read_text(), path.name)] == []
     snippet = """

@@ -1,4 +1,4 @@
-"""`hf_packing.distributed`: the last calls of a distributed run."""
+"""`hf_packing.training.distributed`: the last calls of a distributed run."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_end_process_runs_atexit_handlers_flushes_and_exits_with_the_code(tmp_pa
     body = f"""
 import atexit, sys
 sys.path.insert(0, {str(ROOT)!r})
-from hf_packing.distributed import end_process
+from hf_packing.training.distributed import end_process
 atexit.register(lambda: print("first registered", flush=True))
 atexit.register(lambda: print("last registered", flush=True))
 sys.stdout.write("buffered, no newline")  # a pipe: block-buffered, written only by a flush

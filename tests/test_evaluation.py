@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import hf_packing
-import hf_packing.evaluation
+import hf_packing.training.evaluation
 from hf_packing import VisionCollator, pack_dataset, prepare_trainer
-from hf_packing.trainer import keep_rank_packs, no_dispatch
+from hf_packing.training.trainer import keep_rank_packs, no_dispatch
 from tests.conftest import FIXTURES, conversations, load_processor, processed_samples
 from tests.test_training import check_ok, launch, write_parquet
 
@@ -319,7 +319,7 @@ def test_token_accuracy_in_every_precision(tmp_path, tiny_model, processor, eval
             assert within_twice_plain(f"{name}, eval_loss", metrics["eval_loss"], plain[0], reference["loss"], 1)
     if autocast:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(hf_packing.evaluation, "recording_token_counts", contextlib.nullcontext)
+            mp.setattr(hf_packing.training.evaluation, "recording_token_counts", contextlib.nullcontext)
             control = _trainer(tmp_path, model, processor, eval_dataset=packs, bf16=True).evaluate()
         assert "eval_token_accuracy" not in control
 

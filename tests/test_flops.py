@@ -6,7 +6,7 @@ per text document (each document runs alone, unpadded). The text reference halve
 convention counts causal attention as half the square) and adds the LM head's 6·H·V per token analytically.
 MoE experts run their eager loop (``grouped_mm`` is not counted). Qwen3.5's Gated DeltaNet recurrence is
 stubbed in the reference and its model-FLOP term 18·S·T left out of ours: the projections and the conv are
-compared, the recurrence's term is a convention (see `hf_packing.flops`).
+compared, the recurrence's term is a convention (see `hf_packing.training.flops`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hf_packing.flops import text_flops
-from hf_packing.telemetry import training_flops
 from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
+from hf_packing.training.flops import text_flops
+from hf_packing.training.telemetry import training_flops
 
 #: an image-heavy pack (each image ≥ 1,000 patches, one with edge windows) and a video pack
 PACKS = {

@@ -1,4 +1,5 @@
-"""The package's import graph flows one way: no cycle between hf_packing's modules, no private name across modules.
+"""The package's import graph flows one way: no cycle between hf_packing's modules, no private name across modules,
+and each part imports only the parts below it (`LAYERS`); `hf_packing.ops` never imports transformers.
 
 Every import statement counts, wherever it stands (module level, inside a function, under ``TYPE_CHECKING``): a lazy
 import is for an optional package, never for hiding a cycle. The package ``__init__`` only names its lazy exports.
@@ -7,6 +8,8 @@ import is for an optional package, never for hiding a cycle. The package ``__ini
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_packing"
@@ -75,7 +78,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_has_no_cycle():
     graph, _ = import_graph()
-    assert "hf_packing.stream" in graph and "hf_packing.patches._forward" in graph
+    assert "hf_packing.packing.dataset" in graph and "hf_packing.patches._forward" in graph
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -102,3 +105,88 @@ def test_the_checks_find_a_cycle_and_a_private_import(tmp_path):
     assert find_cycle(graph) == ["hf_packing.a", "hf_packing.b", "hf_packing.a"]
     assert private == ["hf_packing.a imports hf_packing.b._helper"]
     assert find_cycle({"x": {"y"}, "y": set()}) is None
+
+
+#: each part of the package and its layer: a module may import its own part and the parts of lower layers only
+#: (what each part owns and may import is in its package docstring)
+LAYERS = {
+    "hf_packing": 8,  # the public names (lazy), used by the CLI only
+    "hf_packing._compat": 0,
+    "hf_packing.config": 0,
+    "hf_packing.testing": 0,
+    "hf_packing.ops": 1,
+    "hf_packing.preprocess": 2,
+    "hf_packing.parallel": 2,
+    "hf_packing.patches": 3,
+    "hf_packing.packing": 4,
+    "hf_packing.collator": 5,
+    "hf_packing.training": 6,
+    "hf_packing.cli": 7,
+}
+
+
+def part(module: str) -> str:
+    """The part of ``module`` (``hf_packing.ops.varlen`` -> ``hf_packing.ops``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """The imports of `graph` from a part into a part of the same or a higher layer (the package root excepted)."""
+    return sorted(
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        if name != "hf_packing"
+        for target in targets
+        if part(target) != part(name)
+        and LAYERS[part(target)] >= LAYERS[part(name)]
+        and (part(name), part(target)) != ("hf_packing.cli", "hf_packing")  # the CLI uses the public names
+    )
+
+
+def test_imports_flow_down_the_layers():
+    graph, _ = import_graph()
+    modules = {part(name) for name in graph}
+    assert modules == set(LAYERS), f"parts without a layer, or layers without a part: {modules ^ set(LAYERS)}"
+    assert sum(1 for p in PACKAGE.glob("*.py")) <= 8, "at most 8 modules directly in hf_packing/"
+    assert not upward_imports(graph), upward_imports(graph)
+
+
+def test_every_part_says_what_it_owns_and_may_import():
+    for package in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()):
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+        assert doc.count("\n\n") >= 0 and len(doc) > 80, f"{package.name}/__init__.py has no docstring"
+    for name in ("ops", "preprocess", "packing", "parallel", "training"):
+        doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))
+        assert "Owns:" in doc and "May import:" in doc, name
+
+
+def test_ops_import_no_transformers():
+    """Statically (no import statement names transformers) and at run time (importing the ops loads none)."""
+    static = [
+        f"{path.name}: {node.module or node.names[0].name}"
+        for path in sorted((PACKAGE / "ops").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and any(
+            (n or "").split(".")[0] == "transformers"
+            for n in [getattr(node, "module", None), *(a.name for a in node.names)]
+        )
+    ]
+    assert not static, static
+    code = "import sys, hf_packing.ops.varlen, hf_packing.ops.loss, hf_packing.ops.linear_attention; "
+    code += "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_layer_check_finds_an_upward_import():
+    """Negative control: the patches importing the packer, and ops importing the patches, are both found."""
+    graph = {
+        "hf_packing.patches._forward": {"hf_packing.packing.dataset", "hf_packing.ops.loss"},
+        "hf_packing.ops.loss": {"hf_packing.patches"},
+        "hf_packing.packing.dataset": {"hf_packing.preprocess.images", "hf_packing.config"},
+    }
+    assert upward_imports(graph) == [
+        "hf_packing.ops.loss imports hf_packing.patches",
+        "hf_packing.patches._forward imports hf_packing.packing.dataset",
+    ]

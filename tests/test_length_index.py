@@ -10,9 +10,9 @@ import pytest
 import test_stream
 from torch.utils.data import DataLoader
 
-from hf_packing.data import META_COLUMNS, Preprocessor
-from hf_packing.length_index import build_length_index, index_key
-from hf_packing.replica import preprocessors
+from hf_packing.packing.length_index import build_length_index, index_key
+from hf_packing.packing.replica import preprocessors
+from hf_packing.preprocess.preprocessor import META_COLUMNS, Preprocessor
 
 ROWS, ids, make = test_stream.ROWS, test_stream.ids, test_stream.make
 data, reference = test_stream.data, test_stream.reference  # its module-scoped fixtures

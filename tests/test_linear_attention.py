@@ -8,13 +8,13 @@ import inspect
 import pytest
 import torch
 
-from hf_packing.linear_attention import (
+from hf_packing.ops.linear_attention import (
     masked_causal_conv1d,
     reference_causal_conv1d,
     reference_gated_delta_rule,
     scan_gated_delta_rule,
 )
-from hf_packing.varlen import PackedSequences, token_sequences
+from hf_packing.ops.varlen import PackedSequences, token_sequences
 
 modeling_qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 CHUNK_RULE = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_packing.loss import (
+from hf_packing.ops.loss import (
     liger_can_read_weight,
     linear_cross_entropy_sum,
     recording_token_counts,

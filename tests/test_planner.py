@@ -1,4 +1,4 @@
-"""Tests for hf_packing.planner (pure Python/numpy bin packing; CPU only, fast)."""
+"""Tests for hf_packing.packing.planner (pure Python/numpy bin packing; CPU only, fast)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_packing.pack_stats import pack_stats, padded_fill_at_batch
-from hf_packing.planner import STRATEGIES, StreamingPlanner, plan_packs
+from hf_packing.config import STRATEGIES
+from hf_packing.packing.planner import StreamingPlanner, plan_packs
+from hf_packing.packing.stats import pack_stats, padded_fill_at_batch
 
 
 def _synthetic_llava_mix(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -241,7 +242,7 @@ def test_empty_input(strategy: str) -> None:
 
 
 def test_no_torch_import() -> None:
-    code = "import sys, hf_packing.planner; assert 'torch' not in sys.modules"
+    code = "import sys, hf_packing.packing.planner; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hf_packing
-from hf_packing.varlen import varlen_attention
+from hf_packing.ops.varlen import varlen_attention
 from tests.conftest import MODEL_TYPES, conversations, processed_batch, torchrun
 from tests.kernels import KernelContractError, install_kernel
 from tests.test_patches import model_and_processor
@@ -142,7 +142,7 @@ def test_negative_control_merged_sequences_exceed_the_tolerance(monkeypatch):
 def test_stand_in_refuses_what_the_kernel_refuses(monkeypatch):
     install_kernel(monkeypatch, "flash_attn")
     q = torch.randn(5, 4, 16)
-    seqs = hf_packing.varlen.PackedSequences.from_seqlens([2, 3])
+    seqs = hf_packing.ops.varlen.PackedSequences.from_seqlens([2, 3])
     with pytest.raises(KernelContractError, match="fp16 and bf16"):
         from tests import kernels
 

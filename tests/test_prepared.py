@@ -293,7 +293,7 @@ def test_an_installed_kernel_that_fails_to_import_is_logged(monkeypatch, caplog)
 def test_revert_rmpad_is_refused_while_a_prepared_trainer_trains(tmp_path):
     from transformers import TrainerCallback
 
-    from hf_packing.prepared import training
+    from hf_packing.patches.prepared import training
 
     class Revert(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):

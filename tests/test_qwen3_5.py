@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import hf_packing
-from hf_packing import VisionCollator, linear_attention
+from hf_packing import VisionCollator
+from hf_packing.ops import linear_attention
+from hf_packing.ops.varlen import PackedSequences
 from hf_packing.patches import is_applied
-from hf_packing.varlen import PackedSequences
 from tests.conftest import load_processor, processed_batch, processed_samples
 from tests.kernels import KernelContractError, install_linear_kernels
 from tests.test_patches import GRAD_RTOL, LOSS_RTOL, assert_equivalent, loss_and_grads, model_and_processor

@@ -79,19 +79,25 @@ def broken_links(page: Path) -> list[str]:
 
 def tree_entries(readme: str) -> list[str]:
     """The paths (relative to the root, globs allowed) named by the ```-block of the README's "## Layout" section:
-    a line without indent opens a folder (``recipes/``) or names a root file; indented lines name files in it."""
+    a line without indent opens a folder (``recipes/``) or names a root file; indented lines name files in the folder
+    above them, two spaces a level, and an indented ``name/`` line opens a subpackage and names its ``__init__.py``."""
     block = re.search(r"^## Layout\n+```\n(.*?)^```", readme, flags=re.S | re.M).group(1)
-    entries, folder = [], ""
+    entries, folders = [], [""]
     for line in block.splitlines():
         if not line.strip():
             continue
-        name = line.split()[0]
-        if not line.startswith(" "):
-            folder = name if name.endswith("/") and len(line.split()) == 1 else ""
-            if not folder:
+        name, depth = line.split()[0], (len(line) - len(line.lstrip())) // 2
+        if depth == 0:
+            folders = [name if name.endswith("/") and len(line.split()) == 1 else ""]
+            if not folders[0]:
                 entries.append(name)
-        else:
-            entries.append(folder + name)
+            continue
+        folders = folders[:depth]
+        path = "".join(folders) + name
+        if name.endswith("/"):
+            folders.append(name)
+            path += "__init__.py"
+        entries.append(path)
     return entries
 
 

@@ -95,7 +95,7 @@ def test_prepare_training_args_forces_pack_settings(train, caplog):
 def test_per_source_data_settings_take_one_value_or_one_per_path(train):
     """PackingConfig's per-source settings from the YAML (image_root: media_root's alias) and flags (JSON lists);
     pack_dataset maps a list onto the sources in dataset_path order; eval files keep only what is one for all."""
-    from hf_packing.formats import per_source
+    from hf_packing.preprocess.formats import per_source
 
     names = ["0:coco", "1:clips"]
     _, _, packing, _ = train.parse_args([str(RECIPES / "configs/tiny_cpu.yaml")])
@@ -257,9 +257,9 @@ def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch, pr
     """tiny_cpu: 2 training steps on 12 rows, each followed by an evaluation on the 4 rows held out; with ``--bf16
     true`` (the recipes' GPU setup) too, where eval_token_accuracy used to be missing."""
     try:
-        from hf_packing.stream import pack_dataset  # noqa: F401
+        from hf_packing.packing.dataset import pack_dataset  # noqa: F401
     except ImportError as error:
-        pytest.skip(f"hf_packing.stream.pack_dataset is not importable yet ({error}); train.py needs it")
+        pytest.skip(f"hf_packing.packing.dataset.pack_dataset is not importable yet ({error}); train.py needs it")
     from hf_packing.testing.tiny import save_tiny_checkpoint
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

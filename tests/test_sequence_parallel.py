@@ -19,9 +19,11 @@ import pytest
 import torch
 from conftest import torchrun
 
-from hf_packing import sequence_parallel as sp_mod
-from hf_packing.sequence_parallel import SPGroup
-from hf_packing.varlen import PackedSequences
+from hf_packing.ops.varlen import PackedSequences
+from hf_packing.parallel import comm, shard
+from hf_packing.parallel.comm import SPGroup
+from hf_packing.parallel.state import data_parallel_rank_world
+from hf_packing.patches import sequence_parallel as sp_mod
 
 HELPER = Path(__file__).parent / "multiproc_sp.py"
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -36,32 +38,32 @@ def group(rank: int, size: int) -> SPGroup:
 
 def test_padded_sequences_add_one_tail_segment():
     seqs = PackedSequences.from_seqlens([4, 6])
-    padded = sp_mod.padded_sequences(seqs, 4)
+    padded = shard.padded_sequences(seqs, 4)
     assert padded.cu_seqlens.tolist() == [0, 4, 10, 12] and padded.seqlens == [4, 6, 2] and padded.max_seqlen == 6
-    assert sp_mod.padded_sequences(seqs, 2) is seqs  # 10 divides by 2: no padding at all
-    assert [sp_mod.padded_length(n, 4) for n in (1, 4, 10, 12)] == [4, 4, 12, 12]
+    assert shard.padded_sequences(seqs, 2) is seqs  # 10 divides by 2: no padding at all
+    assert [shard.padded_length(n, 4) for n in (1, 4, 10, 12)] == [4, 4, 12, 12]
 
 
 def test_pad_and_shard_slices_like_the_module_picture():
     x = torch.arange(10)
-    shards = [sp_mod.pad_and_shard(x, group(r, 4), dim=0, value=-1).tolist() for r in range(4)]
+    shards = [shard.pad_and_shard(x, group(r, 4), dim=0, value=-1).tolist() for r in range(4)]
     assert shards == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, -1, -1]]
     embeds = torch.arange(10.0).view(1, 10, 1)
-    assert sp_mod.pad_and_shard(embeds, group(1, 2), dim=1).flatten().tolist() == [5.0, 6.0, 7.0, 8.0, 9.0]
+    assert shard.pad_and_shard(embeds, group(1, 2), dim=1).flatten().tolist() == [5.0, 6.0, 7.0, 8.0, 9.0]
 
 
 def test_targets_are_shifted_before_sharding():
-    from hf_packing.loss import shift_labels_per_sequence
+    from hf_packing.ops.loss import shift_labels_per_sequence
 
     labels = torch.tensor([-100, 11, 12, -100, -100, 22, 23])  # sequences [0, 3) and [3, 7)
     targets = shift_labels_per_sequence(labels, torch.tensor([0, 3, 7]))
-    shards = [sp_mod.local_targets(targets, group(r, 4)).tolist() for r in range(4)]
+    shards = [shard.local_targets(targets, group(r, 4)).tolist() for r in range(4)]
     assert shards == [[11, 12], [-100, -100], [22, 23], [-100, -100]]
 
 
 def test_position_ids_shard_with_a_counting_tail():
     pos = torch.tensor([[0, 1, 2, 2, 3], [0, 1, 1, 2, 3], [0, 1, 2, 1, 3]]).unsqueeze(1)  # (3, 1, 5) M-RoPE
-    shards = [sp_mod.shard_position_ids(pos, group(r, 2)) for r in range(2)]
+    shards = [shard.shard_position_ids(pos, group(r, 2)) for r in range(2)]
     assert shards[0].squeeze(1).tolist() == [[0, 1, 2], [0, 1, 1], [0, 1, 2]]
     assert shards[1].squeeze(1).tolist() == [[2, 3, 0], [2, 3, 0], [1, 3, 0]]
 
@@ -69,7 +71,7 @@ def test_position_ids_shard_with_a_counting_tail():
 def test_deepstack_features_follow_their_tokens():
     mask = torch.tensor([[False, True, True, False, True]])  # visual tokens at 1, 2, 4
     feats = [torch.tensor([[10.0], [20.0], [40.0]]), torch.tensor([[1.0], [2.0], [4.0]])]
-    out = [sp_mod.shard_deepstack(mask, feats, group(r, 2)) for r in range(2)]
+    out = [shard.shard_deepstack(mask, feats, group(r, 2)) for r in range(2)]
     assert out[0][0].tolist() == [[False, True, True]] and [f.flatten().tolist() for f in out[0][1]] == [
         [10.0, 20.0],
         [1.0, 2.0],
@@ -81,22 +83,22 @@ def test_deepstack_features_follow_their_tokens():
 
 
 def test_kv_heads_are_replicated_only_when_fewer_than_the_group():
-    assert [sp_mod.kv_replication(4, 2, p) for p in (1, 2, 4)] == [1, 1, 2]
-    assert sp_mod.kv_replication(32, 8, 16) == 2 and sp_mod.kv_replication(28, 4, 4) == 1
+    assert [comm.kv_replication(4, 2, p) for p in (1, 2, 4)] == [1, 1, 2]
+    assert comm.kv_replication(32, 8, 16) == 2 and comm.kv_replication(28, 4, 4) == 1
     with pytest.raises(ValueError, match="not divisible by sequence_parallel_size=3"):
-        sp_mod.kv_replication(4, 2, 3)
+        comm.kv_replication(4, 2, 3)
 
 
 def test_linear_key_heads_are_replicated_only_when_fewer_than_the_group():
-    heads = sp_mod.LinearHeads(key_heads=2, key_dim=16, value_heads=4, value_dim=16)  # the tiny Qwen3.5
-    assert [sp_mod.key_replication(heads, p) for p in (1, 2, 4)] == [1, 1, 2]
-    real = sp_mod.LinearHeads(key_heads=16, key_dim=128, value_heads=32, value_dim=128)  # Qwen3.5 / Qwen3-Next
-    assert [sp_mod.key_replication(real, p) for p in (2, 8, 16, 32)] == [1, 1, 1, 2]
+    heads = comm.LinearHeads(key_heads=2, key_dim=16, value_heads=4, value_dim=16)  # the tiny Qwen3.5
+    assert [comm.key_replication(heads, p) for p in (1, 2, 4)] == [1, 1, 2]
+    real = comm.LinearHeads(key_heads=16, key_dim=128, value_heads=32, value_dim=128)  # Qwen3.5 / Qwen3-Next
+    assert [comm.key_replication(real, p) for p in (2, 8, 16, 32)] == [1, 1, 1, 2]
     assert heads.channels() == (32, 32, 64)
     with pytest.raises(ValueError, match="linear_num_value_heads=4 is not divisible by sequence_parallel_size=8"):
-        sp_mod.key_replication(heads, 8)
+        comm.key_replication(heads, 8)
     with pytest.raises(ValueError, match="linear_key_head_dim = 6 is not divisible by sequence_parallel_size=4"):
-        sp_mod.key_replication(sp_mod.LinearHeads(key_heads=2, key_dim=3, value_heads=4, value_dim=4), 4)
+        comm.key_replication(comm.LinearHeads(key_heads=2, key_dim=3, value_heads=4, value_dim=4), 4)
 
 
 def test_text_model_hook_carries_and_checks_the_linear_head_layout():
@@ -109,18 +111,18 @@ def test_text_model_hook_carries_and_checks_the_linear_head_layout():
     )
     seqs = PackedSequences.from_seqlens([3, 2])
     kwargs = lambda: {"inputs_embeds": torch.zeros(1, 5, 8), "position_ids": torch.zeros(3, 1, 5)}  # noqa: E731
-    _, out = sp_mod.text_model_pre_hook(group(1, 2), seqs, "seqs")(SimpleNamespace(config=config), (), kwargs())
-    assert out[sp_mod.SP_KWARG].linear == sp_mod.LinearHeads(2, 16, 4, 16) and out[sp_mod.SP_KWARG].rank == 1
+    _, out = shard.text_model_pre_hook(group(1, 2), seqs, "seqs")(SimpleNamespace(config=config), (), kwargs())
+    assert out[comm.SP_KWARG].linear == comm.LinearHeads(2, 16, 4, 16) and out[comm.SP_KWARG].rank == 1
     assert out["inputs_embeds"].shape == (1, 3, 8) and out["seqs"].cu_seqlens.tolist() == [0, 3, 5, 6]
-    _, dense = sp_mod.text_model_pre_hook(group(0, 2), seqs, "seqs")(SimpleNamespace(config=object()), (), kwargs())
-    assert dense[sp_mod.SP_KWARG].linear is None  # no linear-attention layers: the group as it was
+    _, dense = shard.text_model_pre_hook(group(0, 2), seqs, "seqs")(SimpleNamespace(config=object()), (), kwargs())
+    assert dense[comm.SP_KWARG].linear is None  # no linear-attention layers: the group as it was
     with pytest.raises(ValueError, match="linear_num_value_heads=4 is not divisible by sequence_parallel_size=8"):
-        sp_mod.text_model_pre_hook(group(0, 8), seqs, "seqs")(SimpleNamespace(config=config), (), kwargs())
+        shard.text_model_pre_hook(group(0, 8), seqs, "seqs")(SimpleNamespace(config=config), (), kwargs())
 
 
 def test_telemetry_counts_the_padding_sp_adds():
     import hf_packing
-    from hf_packing.telemetry import PackingTelemetry
+    from hf_packing.training.telemetry import PackingTelemetry
 
     hf_packing.apply_rmpad("qwen2_vl", sequence_parallel_size=4)  # the telemetry reads the applied SP state
     try:
@@ -138,11 +140,11 @@ def test_without_a_process_group_sp_raises_a_named_error():
     import hf_packing
     from hf_packing.testing.tiny import build_tiny_model
 
-    assert sp_mod.data_parallel_rank_world(2) == (0, 1)
+    assert data_parallel_rank_world(2) == (0, 1)
     with pytest.raises(ValueError, match="sequence_parallel_size must be an int >= 1"):
         hf_packing.apply_rmpad("qwen2_vl", sequence_parallel_size=0)
     hf_packing.apply_rmpad("qwen2_vl", sequence_parallel_size=2)
-    assert sp_mod.current_size() == 2 and sp_mod.data_parallel_rank_world() == (0, 1)
+    assert sp_mod.current_size() == 2
     model = build_tiny_model("qwen2_vl")
     ids = torch.tensor([[1, 2, 3, 4]])
     with pytest.raises(ValueError, match="sequence_parallel_size=2 needs torch.distributed"):
@@ -158,7 +160,7 @@ def test_sp_state_lives_in_the_applied_options():
     import hf_packing
     from hf_packing.patches import sequence_parallel_state
     from hf_packing.patches._forward import RmpadOptions
-    from hf_packing.sequence_parallel import SequenceParallelState
+    from hf_packing.patches.sequence_parallel import SequenceParallelState
 
     assert sequence_parallel_state() is None and RmpadOptions().sequence_parallel == SequenceParallelState(1)
     try:

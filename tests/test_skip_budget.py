@@ -13,8 +13,8 @@ from conftest import image, load_processor, torchrun
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
-from hf_packing.pack_stats import NoSamplesError, TooManySkipsError
-from hf_packing.stream import pack_dataset
+from hf_packing.packing.dataset import pack_dataset
+from hf_packing.packing.stats import NoSamplesError, TooManySkipsError
 
 
 def row(i: int, picture: str | None = None, words: int = 3) -> dict:
@@ -71,7 +71,7 @@ def test_in_a_mix_the_budget_is_per_source_and_names_the_source(processor, tmp_p
 def test_overlong_rows_name_the_longest_sample_and_max_length(processor):
     """The same with max_length too small (checked at the end of a short pass): the hint names the longest sample."""
     rows = [row(i, words=5 + i) for i in range(26)]
-    from hf_packing.data import Preprocessor
+    from hf_packing.preprocess.preprocessor import Preprocessor
 
     lengths = [Preprocessor(processor).estimate(r).num_tokens for r in rows]
     with pytest.raises(TooManySkipsError) as err:

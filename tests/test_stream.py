@@ -17,8 +17,8 @@ from conftest import image, load_processor, torchrun
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
-from hf_packing.data import Preprocessor, SampleError
-from hf_packing.stream import pack_dataset
+from hf_packing.packing.dataset import pack_dataset
+from hf_packing.preprocess.preprocessor import Preprocessor, SampleError
 
 ROWS = 48
 
@@ -285,7 +285,8 @@ atexit.register(lambda: print("producers after the hook:", len(alive()), flush=T
 sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]  # conftest, this checkout
 from datasets import Dataset
 from conftest import load_processor
-from hf_packing import producer, stream
+from hf_packing.packing import dataset as stream
+from hf_packing.packing import producer
 if not {hook}:
     atexit.unregister(producer.stop_producers)
 rows = [{{"messages": [{{"role": "user", "content": "hi " * 20}}, {{"role": "assistant", "content": "ok " * 30}}]}}
@@ -535,7 +536,7 @@ def test_a_mix_of_row_formats_keeps_both_sources(data, tmp_path, streaming):
 
 
 def test_a_stream_that_yields_nothing_is_an_error(data, tmp_path):
-    from hf_packing.pack_stats import NoSamplesError
+    from hf_packing.packing.stats import NoSamplesError
 
     (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
     videos = Dataset.from_list(

@@ -234,9 +234,12 @@ def test_a_host_read_on_the_collator_path_fails_the_gate(monkeypatch):
     ("filename", "expected"),
     [
         ("/ci/hf_packing/tests/test_x.py", "tests/test_x.py"),  # a checkout whose folder is named hf_packing
-        ("/ci/hf_packing/hf_packing/loss.py", "hf_packing/loss.py"),
+        ("/ci/hf_packing/hf_packing/ops/loss.py", "hf_packing/ops/loss.py"),
         ("/ci/hf_packing/.venv/lib/python3.11/site-packages/transformers/m.py", "transformers/m.py"),
-        ("/usr/lib/python3.11/site-packages/hf_packing/loss.py", "hf_packing/loss.py"),  # installed, not editable
+        (
+            "/usr/lib/python3.11/site-packages/hf_packing/ops/loss.py",
+            "hf_packing/ops/loss.py",
+        ),  # installed, not editable
     ],
 )
 def test_origins_are_relative_to_the_checkout(monkeypatch, filename, expected):
@@ -313,7 +316,7 @@ def test_counter_sees_each_host_data_creation():
 
 def _per_source_step(processor, model, collate, sources: bool) -> SyncCounter:
     """One training step on a two-source pack with `PackingTelemetry` attached, per-source logging on or off."""
-    from hf_packing.telemetry import PackingTelemetry
+    from hf_packing.training.telemetry import PackingTelemetry
 
     samples = processed_samples(processor)
     pack = [{**s, "source_id": k % 2} if sources else s for k, s in enumerate([samples[1], samples[4], samples[0]])]
@@ -332,7 +335,7 @@ def test_per_source_logging_adds_no_host_sync(monkeypatch):
     """The same pack with and without per-source sums (source_ids, `counting_sources` opened by the telemetry's
     hooks, `index_add_` in every loss chunk): the same number of syncs, none of them hf_packing's. Negative control:
     expanding the ids with a data-dependent ``repeat_interleave`` adds one."""
-    from hf_packing import loss
+    from hf_packing.ops import loss
 
     processor = load_processor("qwen2_5_vl")
     model = build_tiny_model("qwen2_5_vl", processor_dir=FIXTURES / "qwen2_5_vl")
@@ -425,7 +428,7 @@ def test_training_step_computes_no_argmax_unless_read():
     """A training step whose token accuracy nobody reads (no evaluation, no per-source telemetry) runs no argmax;
     inside `recording_token_counts` (what evaluation and the telemetry open) the hits are counted, and equal the
     argmax of the step's own logits."""
-    from hf_packing.loss import recording_token_counts
+    from hf_packing.ops.loss import recording_token_counts
 
     processor = load_processor("qwen2_vl")
     model = build_tiny_model("qwen2_vl", processor_dir=FIXTURES / "qwen2_vl").train()

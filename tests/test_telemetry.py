@@ -7,8 +7,14 @@ import torch
 from conftest import load_processor
 
 from hf_packing.collator import VisionCollator
-from hf_packing.telemetry import ModelFlops, PackingTelemetry, add_telemetry, default_peak_tflops, training_flops
 from hf_packing.testing.tiny import TOKEN_IDS, build_tiny_model
+from hf_packing.training.telemetry import (
+    ModelFlops,
+    PackingTelemetry,
+    add_telemetry,
+    default_peak_tflops,
+    training_flops,
+)
 
 VS, VE, IMG = TOKEN_IDS["<|vision_start|>"], TOKEN_IDS["<|vision_end|>"], TOKEN_IDS["<|image_pad|>"]
 

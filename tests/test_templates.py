@@ -20,10 +20,10 @@ import torch
 from conftest import image, load_processor, video
 from PIL import Image
 
-from hf_packing import formats
-from hf_packing.data import Preprocessor, SampleError
-from hf_packing.loss import IGNORE_INDEX
-from hf_packing.templates import TemplateError
+from hf_packing.ops.loss import IGNORE_INDEX
+from hf_packing.preprocess import formats
+from hf_packing.preprocess.preprocessor import Preprocessor, SampleError
+from hf_packing.preprocess.templates import TemplateError
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 FAMILY_TEMPLATE = {

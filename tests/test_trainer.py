@@ -64,7 +64,7 @@ def test_keep_rank_packs_undoes_accelerates_second_sharding():
     from torch.utils.data import DataLoader
 
     from hf_packing import pack_dataset
-    from hf_packing.trainer import keep_rank_packs
+    from hf_packing.training.trainer import keep_rank_packs
 
     rows = [
         {"messages": [{"role": "user", "content": "word " * (5 + 7 * i)}, {"role": "assistant", "content": "ok"}]}
@@ -91,7 +91,7 @@ def test_prepare_trainer_turns_off_batch_dispatching(tmp_path):
     from transformers import Trainer, TrainingArguments
 
     from hf_packing import prepare_trainer
-    from hf_packing.telemetry import PackingTelemetry
+    from hf_packing.training.telemetry import PackingTelemetry
 
     model = build_tiny_model("qwen2_vl")
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_packing import _compat, varlen
-from hf_packing.varlen import PackedSequences, create_block_causal_mask, pad_input, unpad_input
+from hf_packing import _compat
+from hf_packing.ops import varlen
+from hf_packing.ops.varlen import PackedSequences, create_block_causal_mask, pad_input, unpad_input
 
 
 def test_block_causal_mask_literal():
@@ -136,7 +137,7 @@ def test_auto_never_picks_the_reference_on_cuda_silently(monkeypatch):
 def test_masked_reference_equals_per_sequence_reference(causal, window):
     """The compile path (one SDPA, block mask from cu_seqlens on the device) equals SDPA per sequence, GQA too;
     a mask from merged boundaries differs (negative control)."""
-    from hf_packing.varlen import masked_reference_varlen, reference_varlen
+    from hf_packing.ops.varlen import masked_reference_varlen, reference_varlen
 
     torch.manual_seed(0)
     q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)

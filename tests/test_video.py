@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import FIXTURES, image, load_processor, write_clip
 
-from hf_packing import video as video_module
-from hf_packing.data import Preprocessor, SampleError
+from hf_packing.preprocess import video as video_module
+from hf_packing.preprocess.preprocessor import Preprocessor, SampleError
 
 av = pytest.importorskip("av", reason="the 'video' extra (PyAV) decodes video files")
 
@@ -250,7 +250,7 @@ def test_a_missing_decoder_is_an_error_naming_the_extra(processors, clips, monke
 def test_pack_dataset_counts_videos_and_skips(processors, clips, tmp_path):
     from datasets import Dataset
 
-    from hf_packing.stream import pack_dataset
+    from hf_packing.packing.dataset import pack_dataset
 
     data = (clips / "vp9.webm").read_bytes()
     (tmp_path / "cut.webm").write_bytes(data[: len(data) // 2])
@@ -278,8 +278,8 @@ def test_pack_dataset_counts_videos_and_skips(processors, clips, tmp_path):
     assert stats["skipped_while_processing"] == {"corrupt_video": 1}
     assert stats["videos"] == 2 and stats["video_tokens"] == sum(m.video_tokens for m in expected) > 0
     # the length index (built by default) holds the videos' counts; planning without it gives the same samples
-    from hf_packing.data import META_COLUMNS
-    from hf_packing.length_index import build_length_index
+    from hf_packing.packing.length_index import build_length_index
+    from hf_packing.preprocess.preprocessor import META_COLUMNS
 
     index = build_length_index(Dataset.from_list(rows), pre, progress=False)
     assert index["hfp_num_videos"] == [1, 1, 0, 1, 0] and index["hfp_skip"][2] == "corrupt_video"
@@ -332,7 +332,7 @@ def test_a_pack_with_a_video_file_trains_patched_like_unpatched(clips, tmp_path)
 
     import hf_packing
     from hf_packing.collator import VisionCollator
-    from hf_packing.stream import pack_dataset
+    from hf_packing.packing.dataset import pack_dataset
 
     model, proc = model_and_processor("qwen2_5_vl")
     image(84, 56).save(tmp_path / "a.png")

@@ -57,7 +57,7 @@ def _prepare(cfg: DemoConfig) -> tuple[str, str, str]:
 
 def load_any_dataset(path: str):
     """A saved ``datasets`` dir or local json/jsonl/parquet/arrow files (a file, glob or directory of them)."""
-    from ..sources import load_local
+    from ..packing.readers import load_local
 
     return load_local(path)
 
@@ -91,7 +91,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
     from .. import VisionCollator, apply_rmpad, pack_dataset, prepare_trainer
-    from ..pack_stats import PADDED_BATCH, padded_fill_at_batch
+    from ..packing.stats import PADDED_BATCH, padded_fill_at_batch
     from .plots import plot_curves, plot_loss, plot_packs
 
     cfg.output_dir.mkdir(parents=True, exist_ok=True)

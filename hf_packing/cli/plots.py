@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..pack_stats import PADDED_BATCH
+from ..packing.stats import PADDED_BATCH
 
 
 def _pyplot():

@@ -20,12 +20,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..config import PackingConfig
-from ..data import Preprocessor, SampleError, SkipCounter
-from ..formats import FEATURES, source_formats
-from ..pack_stats import pack_stats
-from ..planner import STRATEGIES, StreamingPlanner
-from ..replica import preprocessors
+from ..config import STRATEGIES, PackingConfig
+from ..packing.planner import StreamingPlanner
+from ..packing.replica import preprocessors
+from ..packing.stats import pack_stats
+from ..preprocess.formats import FEATURES, source_formats
+from ..preprocess.preprocessor import Preprocessor, SampleError, SkipCounter
 
 logger = logging.getLogger("hf_packing")
 
@@ -61,7 +61,7 @@ def collect_metadata(dataset, preprocessor: Preprocessor, *, show_progress: bool
 def load_sources(paths: list[str]) -> dict[str | None, Any]:
     """`{None: dataset}` for one path, else `{"<i>:<stem>": dataset}` (the names `recipes/train.py` gives a mix), each
     a file, glob, directory of files or saved datasets dir. A missing path ends the command with one line."""
-    from ..sources import load_local
+    from ..packing.readers import load_local
 
     try:
         loaded = [load_local(path) for path in paths]

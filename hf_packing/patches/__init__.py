@@ -14,16 +14,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .. import _compat
-from ..linear_attention import LINEAR_BACKENDS
-from ..prepared import training
-from ..sequence_parallel_state import SequenceParallelState
-from ..varlen import BACKENDS
+from ..ops.linear_attention import LINEAR_BACKENDS
+from ..ops.varlen import BACKENDS
+from ..parallel.state import SequenceParallelState
 from ._attention import WRAPPED_IMPLEMENTATIONS, make_dispatcher, make_vision_flash_check
 from ._backbone import make_backbone_forward
 from ._forward import RmpadOptions, check_attn_implementation, make_rmpad_forward
 from ._linear import linear_patches
 from ._patcher import Patch, PatchSet, RegistryPatch
 from ._spec import FAMILIES, FamilySpec
+from .prepared import training
 
 __all__ = [
     "apply_rmpad",
@@ -136,7 +136,7 @@ def apply_rmpad(
         linear_backend (`str`): Qwen3.5's linear-attention layers: ``"auto"`` (fla → reference, by device and
             dtype), ``"fla"`` (flash-linear-attention) or ``"reference"`` (exact, per sequence).
         sequence_parallel_size (`int`): split each pack along the sequence over this many consecutive ranks
-            (Ulysses; see `hf_packing.sequence_parallel`). The world size must be a multiple of it; ranks of one
+            (Ulysses; see `hf_packing.patches.sequence_parallel`). The world size must be a multiple of it; ranks of one
             group must get the same pack (`pack_dataset` does it), and the number of attention heads (and of
             Qwen3.5's linear-attention value heads) must be divisible by it. The state this creates (the size,
             the mesh built on the first SP step, the comm timer) lives in the applied options

@@ -5,7 +5,7 @@ attention module. The patch registers wrappers (``AttentionInterface.register``)
 flash_attention_* entries: a call from a patched text-attention class that carries the packed boundaries
 (``hf_packing_seqs``) runs causal varlen attention; a call from a patched vision-attention class with
 ``cu_seq_lens_q`` runs non-causal varlen attention; every other call goes to the original function
-untouched. A text call that also carries an `~hf_packing.sequence_parallel_comm.SPGroup` (``hf_packing_sp``) holds
+untouched. A text call that also carries an `~hf_packing.parallel.comm.SPGroup` (``hf_packing_sp``) holds
 one slice of the pack: the same kernel runs between two Ulysses all-to-alls (`ulysses_attention`). So other
 models, generation and unpatched forwards behave exactly as before, and nothing
 depends on a config switch that gradient checkpointing's recomputation could miss.
@@ -21,8 +21,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..sequence_parallel_comm import SP_KWARG, ulysses_attention
-from ..varlen import PackedSequences, effective_backend, varlen_attention
+from ..ops.varlen import PackedSequences, effective_backend, varlen_attention
+from ..parallel.comm import SP_KWARG, ulysses_attention
 
 logger = logging.getLogger("hf_packing")
 

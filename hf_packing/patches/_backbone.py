@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..prepared import check_active_loader
 from ._attention import PACKED_KWARG
 from ._forward import (
     CallBinder,
@@ -40,6 +39,7 @@ from ._forward import (
     without_packing,
 )
 from ._spec import FamilySpec
+from .prepared import check_active_loader
 
 
 def make_backbone_forward(original: Callable, spec: FamilySpec, options: RmpadOptions) -> Callable:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from ..varlen import PackedSequences, index_first_axis, pad_input, token_sequences, validate_attention_mask
+from ..ops.varlen import PackedSequences, index_first_axis, pad_input, token_sequences, validate_attention_mask
 from ._spec import FamilySpec
 
 logger = logging.get_logger("hf_packing")

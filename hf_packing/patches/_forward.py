@@ -27,12 +27,17 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
-from .. import loss as loss_
-from .. import sequence_parallel_shard as shard_
-from ..loss import CrossEntropySum, cross_entropy_sum, linear_cross_entropy_sum, reduce_loss, shift_labels_per_sequence
-from ..prepared import check_active_loader
-from ..sequence_parallel_comm import SPGroup, gather_sequence
-from ..sequence_parallel_state import SequenceParallelState
+from ..ops import loss as loss_
+from ..ops.loss import (
+    CrossEntropySum,
+    cross_entropy_sum,
+    linear_cross_entropy_sum,
+    reduce_loss,
+    shift_labels_per_sequence,
+)
+from ..parallel import shard as shard_
+from ..parallel.comm import SPGroup, gather_sequence
+from ..parallel.state import SequenceParallelState
 from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS, host_vision_seqlens, inside_packed_forward
 from ._flatten import FlatBatch, flatten_batch
 from ._spec import FamilySpec
@@ -44,6 +49,7 @@ from ._vision import (
     trusted_placeholder_masks,
     vision_seqlens,
 )
+from .prepared import check_active_loader
 
 #: transformers' flash-style boundary kwargs (DataCollatorWithFlattening, VisionCollator mode='flat').
 HF_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")

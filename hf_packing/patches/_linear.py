@@ -7,11 +7,11 @@ arguments it got from the decoder layer, which carry the patched forward's `Pack
     torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, ..., hf_packing_seqs=seqs, ...)
 
 The patch replaces those two module attributes with wrappers: a call carrying ``hf_packing_seqs`` runs the
-varlen op of `hf_packing.linear_attention` (state and conv window restart at every boundary); every other call
+varlen op of `hf_packing.ops.linear_attention` (state and conv window restart at every boundary); every other call
 (the unpatched forward, generation, other batches) goes to the original function untouched. transformers'
 own fallbacks, unwrapped from their hub-kernel decorator, are the per-sequence reference. A packed call that also
-carries an `~hf_packing.sequence_parallel_comm.SPGroup` (``hf_packing_sp``) holds one slice of the pack: the same op
-runs on this rank's heads over the whole pack, between Ulysses all-to-alls (`hf_packing.sequence_parallel_linear`).
+carries an `~hf_packing.parallel.comm.SPGroup` (``hf_packing_sp``) holds one slice of the pack: the same op
+runs on this rank's heads over the whole pack, between Ulysses all-to-alls (`hf_packing.parallel.linear`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from types import ModuleType
 
 import torch
 
-from .. import linear_attention
-from ..sequence_parallel_comm import SP_KWARG
-from ..sequence_parallel_linear import ulysses_causal_conv1d, ulysses_gated_delta_rule
+from ..ops import linear_attention
+from ..parallel.comm import SP_KWARG
+from ..parallel.linear import ulysses_causal_conv1d, ulysses_gated_delta_rule
 from ._attention import PACKED_KWARG, PackedForward, missing_boundaries_error
 from ._patcher import Patch
 

@@ -27,8 +27,8 @@ import torch
 from transformers.utils.generic import ModelOutput
 
 from .. import _compat
-from ..sequence_parallel_comm import SPGroup
-from ..sequence_parallel_shard import encode_vision_split
+from ..parallel.comm import SPGroup
+from ..parallel.shard import encode_vision_split
 
 #: keyword prefixes transformers routes to one modality's encoder only; with one of them the calls stay apart.
 _MODALITY_PREFIXES = ("image_", "video_")
@@ -251,7 +251,7 @@ def tower_calls(
 
     Under sequence parallelism (``sp``) that one call encodes only this rank's share of the pack's temporal units
     (images and video frame groups, balanced by patches) and the features are all-gathered over the SP group
-    (`~hf_packing.sequence_parallel_shard.encode_vision_split`); an SP rank that gets no unit encodes the dummy image.
+    (`~hf_packing.parallel.shard.encode_vision_split`); an SP rank that gets no unit encodes the dummy image.
 
     ``precomputed`` (`precomputed_vision_inputs` of the call's items, images then videos: the collator's
     ``vision_inputs``) goes to the one tower call, whose helpers pop it instead of computing it on the device; not

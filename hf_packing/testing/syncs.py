@@ -28,7 +28,7 @@ tell it apart, so ``torch.tensor(lengths)`` counts as ``torch.tensor(lengths, de
 with no host data (``zeros``, ``full``, ``arange``) are kernels on the device and are not counted.
 
 Each sync is attributed to the first stack frame outside torch (``torch/``, ``torch.utils``, this module), e.g.
-``hf_packing/loss.py:123 linear_cross_entropy_sum`` or ``transformers/models/qwen2_vl/modeling_qwen2_vl.py:..``.
+``hf_packing/ops/loss.py:123 linear_cross_entropy_sum`` or ``transformers/models/qwen2_vl/modeling_qwen2_vl.py:..``.
 """
 
 from __future__ import annotations

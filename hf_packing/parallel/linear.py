@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from .sequence_parallel_comm import SPGroup, all_gather_rows, head_to_seq, key_replication, seq_to_head
+from .comm import SPGroup, all_gather_rows, head_to_seq, key_replication, seq_to_head
 
 #: ``(x (1, C', T), weight (C', W), bias (C',) | None) -> (1, C', T)``: the varlen conv with global boundaries.
 ConvKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]

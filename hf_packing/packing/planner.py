@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CLOSE_REASONS", "DEFAULT_STRATEGY", "STRATEGIES", "Bin", "StreamingPlanner", "plan_packs"]
+from ..config import DEFAULT_STRATEGY, STRATEGIES
 
-STRATEGIES: tuple[str, ...] = ("next_fit", "bfd")
-DEFAULT_STRATEGY = "bfd"  # plan_packs', StreamingPlanner's and PackingConfig's
+__all__ = ["CLOSE_REASONS", "Bin", "StreamingPlanner", "plan_packs"]
+
 _STATE_VERSION = 4  # 4: closed_by
 #: why a pack closed: the budget it reached (`tokens`: no sample fits its token room; `images` / `patches`: no media
 #: sample fits), `open_packs` (the fullest close beyond `max_open_bins`) or `end` (the input ended while it still had

@@ -2,12 +2,13 @@
 
 Without it each replica (every DataLoader worker of every rank) estimates every row to plan the same packs:
 R ranks × W workers × N rows estimates of ~1 ms (chat template, tokenizer, image headers). With it the rows are
-estimated once (`num_proc` processes, with `datasets`' progress bar) into the [`~hf_packing.data.META_COLUMNS`]
-(tokens, images, Σ t·h·w, Σ t·(h·w)², and the reason and message of a refused row), and each replica reads those
-columns. Measured (`bench_index.py`, RESULTS.md, tiny Qwen2.5-VL processor, 300-1000 px JPEGs, a loaded 2-core
-machine): a replica's planning pass runs at 230 rows/s of one core estimating and 16,000 reading the index (70x);
-the build costs about one estimating pass, once, and a second call with the same settings reads its file (11 ms
-for 2,000 rows). For LLaVA-665k on 64 GPUs x 4 workers that is ~41 s of planning CPU per replica instead of ~48 min.
+estimated once (`num_proc` processes, with `datasets`' progress bar) into the
+[`~hf_packing.preprocess.preprocessor.META_COLUMNS`] (tokens, images, Σ t·h·w, Σ t·(h·w)², and the reason and message
+of a refused row), and each replica reads those columns. Measured (`bench_index.py`, RESULTS.md, tiny Qwen2.5-VL
+processor, 300-1000 px JPEGs, a loaded 2-core machine): a replica's planning pass runs at 230 rows/s of one core
+estimating and 16,000 reading the index (70x); the build costs about one estimating pass, once, and a second call with
+the same settings reads its file (11 ms for 2,000 rows). For LLaVA-665k on 64 GPUs x 4 workers that is ~41 s of
+planning CPU per replica instead of ~48 min.
 
 The index is a `datasets` cache file: `map(..., new_fingerprint=key)` where the key hashes the dataset's fingerprint,
 the processor (tokenizer, image/video processor config, chat template) and every setting that changes a row's
@@ -29,8 +30,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from .data import META_COLUMNS, Preprocessor
-from .sources import json_decoder
+from ..preprocess.preprocessor import META_COLUMNS, Preprocessor
+from .readers import json_decoder
 
 __all__ = ["build_length_index", "index_key", "with_length_index"]
 

@@ -11,25 +11,25 @@ the collator later pads each sample to a row or flattens the pack. A full pack a
     S: <|im_start|>role\n   u t: user text   V I I E: <|vision_start|> <|image_pad|>... <|vision_end|>
     a: assistant text   e: <|im_end|>, supervised with its turn
 
-How it works, without any collective (1.-3. and 5. are a [`~hf_packing.replica.Replica`]'s work):
+How it works, without any collective (1.-3. and 5. are a [`~hf_packing.packing.replica.Replica`]'s work):
 
 1. **Plan on metadata, everywhere.** Every worker of every rank reads the same rows in the same order, gets each
    one's tokens / images / patches from the length index of a `datasets.Dataset` (built once, see
-   [`~hf_packing.length_index`]) or, for a stream, from text and image headers
-   ([`~hf_packing.data.Preprocessor.estimate`]) and feeds the same deterministic
-   [`~hf_packing.planner.StreamingPlanner`] (windows of `buffer_size`), so all replicas see the same global sequence
-   of packs. BFD over a 1,000-sample window loses < 0.05% fill against whole-dataset.
+   [`~hf_packing.packing.length_index`]) or, for a stream, from text and image headers
+   ([`~hf_packing.preprocess.preprocessor.Preprocessor.estimate`]) and feeds the same deterministic
+   [`~hf_packing.packing.planner.StreamingPlanner`] (windows of `buffer_size`), so all replicas see the same global
+   sequence of packs. BFD over a 1,000-sample window loses < 0.05% fill against whole-dataset.
 2. **Ranks.** Closed packs wait until `balance_window` steps' worth (`world_size · batch_size` packs a step) are
-   there; [`~hf_packing.balance.schedule`] then sorts them by cost (text and vision work, weighted from the model
-   config: [`~hf_packing.balance.WorkCost`]), cuts them into steps of similar packs and splits each step over the
-   ranks, so no rank stalls a step. Every rank yields as many packs whatever the shard sizes; a final incomplete
-   group is left over (counted in `stats()`) or, with `leftovers="spread"` (eval sets), handed out one pack per
-   rank, with a 1-token filler for the ranks past its end.
+   there; [`~hf_packing.packing.balance.schedule`] then sorts them by cost (text and vision work, weighted from the
+   model config: [`~hf_packing.packing.balance.WorkCost`]), cuts them into steps of similar packs and splits each step
+   over the ranks, so no rank stalls a step. Every rank yields as many packs whatever the shard sizes; a final
+   incomplete group is left over (counted in `stats()`) or, with `leftovers="spread"` (eval sets), handed out one pack
+   per rank, with a 1-token filler for the ranks past its end.
 3. **Workers.** DataLoader worker w of W takes the rank's packs j with (j // batch_size) % W == w; the DataLoader
    interleaves workers round-robin, so the batches are the same, in the same order, for any `num_workers`. Only a
-   worker's own packs get pixel processing ([`~hf_packing.data.Preprocessor.process`]), which checks the processed
-   length against the planned one.
-4. **Producer thread** ([`~hf_packing.producer`]). Reading, planning and pixel work run in a background thread
+   worker's own packs get pixel processing ([`~hf_packing.preprocess.preprocessor.Preprocessor.process`]), which checks
+   the processed length against the planned one.
+4. **Producer thread** ([`~hf_packing.packing.producer`]). Reading, planning and pixel work run in a background thread
    feeding a queue of `prefetch` packs; its exceptions re-raise in the consumer; it stops when the iterator is closed
    or garbage-collected. A bad row (a `SampleError`) is skipped and counted ([`PackStats`]), never fatal (unless
    `on_error="raise"`) until its source has skipped more than `max_skipped_fraction` of its rows; any other exception
@@ -60,18 +60,19 @@ from typing import Any
 
 import torch
 
+from ..config import PackingConfig
+from ..parallel.state import data_parallel_rank_world
+from ..preprocess.checks import check_processor
+from ..preprocess.formats import FEATURES, source_formats
+from ..preprocess.preprocessor import REASONS, Preprocessor
 from .balance import WorkCost
-from .checks import check_processor
-from .config import PackingConfig
-from .data import REASONS, Preprocessor
-from .formats import FEATURES, source_formats
 from .length_index import with_length_index
-from .pack_stats import PADDED_BATCH, PackStats
 from .planner import CLOSE_REASONS
 from .producer import produce
+from .readers import make_source
 from .replica import Replica, preprocessors
 from .source_ids import SourceTagger
-from .sources import make_source
+from .stats import PADDED_BATCH, PackStats
 
 __all__ = ["PackStats", "PackedDataset", "PackingConfig", "pack_dataset"]
 logger = logging.getLogger("hf_packing")
@@ -103,8 +104,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
     """The iterable of packs made by [`pack_dataset`] (see there and the module docstring), from a validated
     [`~hf_packing.config.PackingConfig`] and the process topology.
 
-    Each item is a pack: a `list` of sample dicts (see [`~hf_packing.data.Preprocessor.process`]). Works with
-    `torch.utils.data.DataLoader` (any `num_workers`) and torchdata's `StatefulDataLoader`.
+    Each item is a pack: a `list` of sample dicts (see [`~hf_packing.preprocess.preprocessor.Preprocessor.process`]).
+    Works with `torch.utils.data.DataLoader` (any `num_workers`) and torchdata's `StatefulDataLoader`.
     """
 
     def __init__(
@@ -115,7 +116,7 @@ class PackedDataset(torch.utils.data.IterableDataset):
         *,
         rank: int | None = None,
         world_size: int | None = None,
-        sequence_parallel_size: int | None = None,
+        sequence_parallel_size: int = 1,
         model_config: Any = None,
     ) -> None:
         super().__init__()
@@ -176,7 +177,6 @@ class PackedDataset(torch.utils.data.IterableDataset):
     def _rank_world(self) -> tuple[int, int]:
         if self.rank is None or self.world_size is None:
             # data-parallel rank and size: the ranks of one sequence-parallel group share every pack
-            from .sequence_parallel import data_parallel_rank_world
 
             rank, world = data_parallel_rank_world(self.sequence_parallel_size)
             self.rank = self.rank if self.rank is not None else rank
@@ -333,10 +333,11 @@ class PackedDataset(torch.utils.data.IterableDataset):
             split into `skipped_while_planning` (the same on every rank: count it once) and
             `skipped_while_processing` (this rank's pixel-time failures: sum over ranks);
             `rows_read`, `planned_packs` (all ranks) and `closed_by` (why they closed: the budget they reached,
-            `tokens`, `images` or `patches`, else `open_packs` or `end`, see `hf_packing.planner.CLOSE_REASONS`),
-            `leftover_packs` / `leftover_samples` (the last incomplete group of `world_size` packs, yielded by no
-            rank); `complete`; `per_source` (`{name: {rows, samples}}`); `rows_with` (kept rows carrying
-            reasoning, tool calls, tool turns or tools: `hf_packing.formats.FEATURES`).
+            `tokens`, `images` or `patches`, else `open_packs` or `end`, see
+            `hf_packing.packing.planner.CLOSE_REASONS`), `leftover_packs` / `leftover_samples` (the last incomplete
+            group of `world_size` packs, yielded by no rank); `complete`; `per_source` (`{name: {rows, samples}}`);
+            `rows_with` (kept rows carrying reasoning, tool calls, tool turns or tools:
+            `hf_packing.preprocess.formats.FEATURES`).
         """
         table = self._shared.numpy().copy()
         used = table[table[:, 0] > 0]
@@ -432,7 +433,7 @@ def pack_dataset(
     *,
     rank: int | None = None,
     world_size: int | None = None,
-    sequence_parallel_size: int | None = None,
+    sequence_parallel_size: int = 1,
     model_config: Any = None,
     **overrides: Any,
 ) -> PackedDataset:
@@ -451,9 +452,10 @@ def pack_dataset(
         rank, world_size (`int`, *optional*): the data-parallel rank and size; default to torch.distributed's
             rank and world size divided by `sequence_parallel_size` if initialized, else 0 and 1. With a process
             group every rank must call `pack_dataset` (the length index build waits at a barrier).
-        sequence_parallel_size (`int`, *optional*): ranks that split one pack (`apply_rmpad`'s
-            `sequence_parallel_size`, its default): consecutive ranks `[d·P, (d+1)·P)` get the same packs.
-        model_config (`PretrainedConfig` or [`~hf_packing.balance.WorkCost`], *optional*): the model's config
+        sequence_parallel_size (`int`, defaults to 1): ranks that split one pack, the same number as
+            `apply_rmpad(sequence_parallel_size=...)` (`prepare_trainer` checks the two agree): consecutive ranks
+            `[d·P, (d+1)·P)` get the same packs.
+        model_config (`PretrainedConfig` or [`~hf_packing.packing.balance.WorkCost`], *optional*): the model's config
             (`model.config`), which weighs a pack's text and vision work for rank balance; Qwen2.5-VL-7B's without it.
             Pass `WorkCost.from_config(model.config, vision_trainable=False)` for a frozen vision tower.
 
@@ -466,9 +468,9 @@ def pack_dataset(
         `stats()`, `count_packs()`, and `len()` once counted. Each sample also carries `index`, its position in the
         (mixed) input stream, and, from a mix or with `source_column`, `source_id` (into `source_names`). A pass in
         which a source that had rows kept none of them, or no rank got a pack, ends with
-        [`~hf_packing.pack_stats.NoSamplesError`] naming the source and its top skip reasons; a source that skips
+        [`~hf_packing.packing.stats.NoSamplesError`] naming the source and its top skip reasons; a source that skips
         more than `max_skipped_fraction` of its rows ends it early with
-        [`~hf_packing.pack_stats.TooManySkipsError`] (a `NoSamplesError`), with a hint per reason.
+        [`~hf_packing.packing.stats.TooManySkipsError`] (a `NoSamplesError`), with a hint per reason.
 
     Example:
 

@@ -14,8 +14,9 @@ Argmax hits (token accuracy) are counted only when something reads them: inside 
 per-source telemetry) or when asked (``count_correct=True``). A training step without them computes no argmax: one
 pass over each chunk's ``rows × vocab`` logits less.
 
-Per source (`counting_sources`, `hf_packing.source_ids`): each chunk also adds its tokens' CE, count and argmax hits
-to a ``(3, num_sources)`` buffer with ``index_add_`` (fixed shapes: no host sync, no logits beyond the chunk's own).
+Per source (`counting_sources`, `hf_packing.packing.source_ids`): each chunk also adds its tokens' CE, count and argmax
+hits to a ``(3, num_sources)`` buffer with ``index_add_`` (fixed shapes: no host sync, no logits beyond the chunk's
+own).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import _compat
+from .. import _compat
 
 IGNORE_INDEX = -100
 #: Rows per chunk are chosen so one chunk's fp32 logits hold about this many elements (1 GiB).

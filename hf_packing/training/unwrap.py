@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from accelerate.data_loader import IterableDatasetShard
 
-from .stream import PackedDataset
+from ..packing.dataset import PackedDataset
 
 __all__ = ["base_model", "packed_dataset"]
 

@@ -5,10 +5,11 @@ A source's `videos_kwargs` use the video processors' names: `fps` (frames sample
 (the per-video resize budget, `size={"shortest_edge", "longest_edge"}` in the processor) and `do_sample_frames`
 (`False`: every frame). They are set on a copy of the processor's video processor, whose `sample_frames` (uniform
 sampling at `fps`, rounded to `temporal_patch_size` on Qwen2/2.5-VL; `linspace` on Qwen3-VL) picks the frame
-indices from the header's [`~hf_packing.video.VideoInfo`] and whose `get_num_of_video_patches` (`smart_resize`:
-28 px cells on Qwen2/2.5-VL, 32 px on Qwen3-VL, whose budget also counts frames) gives the grid. Without `fps` or
-`num_frames`, the processor's own are used, and where it has neither (Qwen2/2.5-VL) 2 fps (qwen-vl-utils' default),
-never every frame of a long file. Pre-sampled frames are not re-sampled; the pixel budget applies to them too.
+indices from the header's [`~hf_packing.preprocess.video.VideoInfo`] and whose `get_num_of_video_patches`
+(`smart_resize`: 28 px cells on Qwen2/2.5-VL, 32 px on Qwen3-VL, whose budget also counts frames) gives the grid.
+Without `fps` or `num_frames`, the processor's own are used, and where it has neither (Qwen2/2.5-VL) 2 fps
+(qwen-vl-utils' default), never every frame of a long file. Pre-sampled frames are not re-sampled; the pixel budget
+applies to them too.
 
 Processing passes the decoded frames with `do_sample_frames=False` and the metadata the sampler saw (total frames,
 average fps, chosen indices), so transformers derives Qwen2.5-VL's `second_per_grid_ts` and Qwen3-VL's timestamps

@@ -32,8 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _compat
-from .images import MAX_IMAGE_PIXELS, ImageLoader, SampleError
+from .. import _compat
+from ..config import MAX_IMAGE_PIXELS
+from .images import ImageLoader, SampleError
 
 __all__ = ["BACKEND", "BACKENDS", "VideoInfo", "VideoLoader", "backend", "is_file_ref"]
 
@@ -65,7 +66,7 @@ def backend() -> str:
         `ImportError`: neither is usable (a setup error, never a skipped row).
     """
     if BACKEND not in ("auto", *BACKENDS):
-        raise ValueError(f"hf_packing.video.BACKEND must be 'auto' or one of {BACKENDS}, got {BACKEND!r}")
+        raise ValueError(f"hf_packing.preprocess.video.BACKEND must be 'auto' or one of {BACKENDS}, got {BACKEND!r}")
     for name in BACKENDS if BACKEND == "auto" else (BACKEND,):
         if (_compat.torchcodec_decoder() if name == "torchcodec" else _compat.pyav()) is not None:
             return name

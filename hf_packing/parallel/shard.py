@@ -1,7 +1,8 @@
 """Sequence-parallel sharding of one pack: tokens, positions, boundaries, DeepStack, vision units, targets, loss.
 
 Everything here slices what was computed on the whole pack (or combines what the slices computed) so that the SP
-group trains exactly what SP = 1 trains; the pictures and the gradient argument are in `hf_packing.sequence_parallel`.
+group trains exactly what SP = 1 trains; the pictures and the gradient argument are in
+`hf_packing.patches.sequence_parallel`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .sequence_parallel_comm import SP_KWARG, LinearHeads, SPGroup, all_gather_rows, all_reduce_sum, key_replication
-from .varlen import PackedSequences
+from ..ops.varlen import PackedSequences
+from .comm import SP_KWARG, LinearHeads, SPGroup, all_gather_rows, all_reduce_sum, key_replication
 
 # ----------------------------------------------------------------------------------------------- sharding
 

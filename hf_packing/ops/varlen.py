@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import _compat
+from .. import _compat
 
 BACKENDS = ("flash_attn", "torch_varlen", "reference")
 

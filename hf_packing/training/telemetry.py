@@ -20,7 +20,7 @@ FLOPs per optimizer step (forward + backward, the usual 6·N·T, attention count
 
     6·N·T  +  6·L·d·Σ_i len_i²  +  18·L_lin·S·T  +  vision
 
-The vision term is exact, per image and frame (`hf_packing.flops.vision_flops`, also public as
+The vision term is exact, per image and frame (`hf_packing.training.flops.vision_flops`, also public as
 ``training_flops(model, batch)`` here): patch embedding, blocks, full and windowed attention, merger and
 DeepStack mergers on merged tokens, frozen tower = forward only; the grids are read once at log time. Without a
 Qwen-VL tower it falls back to c_v·N_v·P:
@@ -52,7 +52,7 @@ pack, so every count is divided by ``P`` after the sum over ranks (tokens are co
                                 the step), on CPU wall time
 
 Per source (a `pack_dataset` of a ``{name: dataset}`` mix, or with ``source_column``; under `apply_rmpad`): the
-forward pre-hook opens `hf_packing.loss.counting_sources` around each training forward, the patched loss sums each
+forward pre-hook opens `hf_packing.ops.loss.counting_sources` around each training forward, the patched loss sums each
 source's token cross-entropy, supervised tokens and argmax hits on the device (in the chunks it computes anyway), a
 forward hook adds them up, and the log's one all-reduce carries them. Keys, without the ``packing/`` prefix:
 
@@ -77,10 +77,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from . import sequence_parallel
+from ..ops.loss import counting_sources, recording_token_counts
+from ..packing.source_ids import per_source_metrics
+from ..patches import sequence_parallel
 from .flops import training_flops, vision_flops
-from .loss import counting_sources, recording_token_counts
-from .source_ids import per_source_metrics
 
 __all__ = ["ModelFlops", "PackingTelemetry", "add_telemetry", "default_peak_tflops", "training_flops"]
 
@@ -154,7 +154,7 @@ class ModelFlops:
 
     def flops(self, *, real_tokens: float, sum_sq_lens: float, vision_patches: float) -> float:
         """Training FLOPs (forward + backward) for the given counts; the vision term is the per-patch estimate
-        (`hf_packing.flops.vision_flops` is exact: the telemetry uses it when it has the model)."""
+        (`hf_packing.training.flops.vision_flops` is exact: the telemetry uses it when it has the model)."""
         vision = (6.0 if self.vision_trainable else 2.0) * self.n_vision * vision_patches
         return self.text_flops(real_tokens=real_tokens, sum_sq_lens=sum_sq_lens) + vision
 
@@ -309,7 +309,7 @@ class PackingTelemetry(TrainerCallback):
             "sp_padding_tokens": v["sp_pad"] + v["sp_pad_host"],
             **{k: v[k] for k in _HOST_KEYS[2:6] + ("has_stats", "dropped")},
             "comm_seconds": v["comm_s"],  # Σ over ranks
-            "vision_flops": v["vision_flops"],  # exact (`hf_packing.flops`); 0 without the model or grids
+            "vision_flops": v["vision_flops"],  # exact (`hf_packing.training.flops`); 0 without the model or grids
             # Σ CE of each source, then their supervised tokens, then their hits; [] if a forward gave none
             "per_source": values[len(values) - 3 * n_sources :] if n_sources and not v["per_source_missing"] else [],
         }

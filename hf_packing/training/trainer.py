@@ -18,20 +18,20 @@ original key layout (``model.layers.*``, ``visual.*``); only ``lm_head`` matches
 keeps its initial weights (huggingface/transformers#43701). `reload_checkpoints_with_key_conversion` loads the
 checkpoint again through ``from_pretrained`` (the model's own conversion) and copies it in strictly.
 
-Evaluation is token-level like training (`hf_packing.evaluation.token_level_evaluation`): ``eval_loss`` = Σ token CE
-/ Σ supervised tokens over the whole eval set, whatever the packing, batch size or number of processes.
+Evaluation is token-level like training (`hf_packing.training.evaluation.token_level_evaluation`): ``eval_loss`` = Σ
+token CE / Σ supervised tokens over the whole eval set, whatever the packing, batch size or number of processes.
 
 `TrainingArguments(use_liger_kernel=True)` makes ``Trainer.train()`` replace the model's forward with Liger's, which
 would undo `apply_rmpad` and hand the collator's ``cu_seqlens`` to the vision tower: `prepare_trainer` refuses it.
 
 An eval set packed with the training default ``leftovers="drop"`` would lose its last packs (fewer than one per rank)
 under several processes (``eval_loss`` 5.2e-4 off the token-level mean on 2 processes): `spread_eval_packs`
-evaluates every `PackedDataset` through its `~hf_packing.stream.PackedDataset.for_evaluation` view, which spreads
-them, also when the training set itself is evaluated.
+evaluates every `PackedDataset` through its `~hf_packing.packing.dataset.PackedDataset.for_evaluation` view, which
+spreads them, also when the training set itself is evaluated.
 
 Before any data is read, `check_setup` refuses what it can tell is wrong (collator, processor family, model type,
 attention implementation, packs per micro-batch), each error naming the setting. Forgetting `prepare_trainer` is
-loud too: the patched forward refuses packs from a loader it did not prepare (`hf_packing.prepared`).
+loud too: the patched forward refuses packs from a loader it did not prepare (`hf_packing.patches.prepared`).
 
 `prepare_trainer` does all of this and puts the packing telemetry in front of the reporting callbacks.
 """
@@ -43,8 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .prepared import mark_prepared, training_ended, training_started
-from .stream import PackedDataset
+from ..packing.dataset import PackedDataset
+from ..patches.prepared import mark_prepared, training_ended, training_started
 from .unwrap import base_model, packed_dataset
 
 logger = logging.getLogger("hf_packing")
@@ -133,7 +133,7 @@ def _has_full_weights(model: Any, checkpoint: Path) -> bool:
     """Whether `_reload_full_weights` applies: a plain supported model and full safetensors weights."""
     from transformers import PreTrainedModel
 
-    from .patches import supported_model_types
+    from ..patches import supported_model_types
 
     has_full_weights = (checkpoint / "model.safetensors").exists() or (
         checkpoint / "model.safetensors.index.json"
@@ -160,7 +160,7 @@ def no_dispatch(trainer: Any) -> Any:
 
 def refuse_liger_kernel(trainer: Any) -> Any:
     """Raise if ``use_liger_kernel`` would replace the forward `apply_rmpad` patched. Returns ``trainer``."""
-    from .patches import is_patched
+    from ..patches import is_patched
 
     if getattr(trainer.args, "use_liger_kernel", False) and is_patched(trainer.model):
         raise ValueError(
@@ -196,11 +196,13 @@ def check_setup(trainer: Any, telemetry_kwargs: dict[str, Any] | None = None) ->
     - packs for a model type `apply_rmpad` does not support;
     - a patched model loaded with an attention implementation the patches do not route (``eager``, flex);
     - ``per_device_train_batch_size`` other than `pack_dataset`'s ``batch_size`` (packs per micro-batch);
-    - telemetry's ``max_length`` other than the packs' (``pack_fill`` would be off).
+    - telemetry's ``max_length`` other than the packs' (``pack_fill`` would be off);
+    - packs split for another sequence-parallel size than `apply_rmpad`'s (SP ranks would get different packs).
     """
-    from .checks import check_processor, is_tokenizer
-    from .collator import VisionCollator
-    from .patches import check_attn_implementation, is_patched, supported_model_types
+    from ..collator import VisionCollator
+    from ..patches import check_attn_implementation, is_patched, supported_model_types
+    from ..patches.sequence_parallel import current_size
+    from ..preprocess.checks import check_processor, is_tokenizer
 
     packs = _packed_sets(trainer)
     model = None if trainer.model is None else base_model(trainer.model)
@@ -242,6 +244,13 @@ def check_setup(trainer: Any, telemetry_kwargs: dict[str, Any] | None = None) ->
             f"prepare_trainer(max_length={given}) differs from the packs' max_length={train.cfg.max_length}; "
             "leave it out: prepare_trainer reads it from the packed dataset"
         )
+    for packed in packs:
+        if packed.sequence_parallel_size != current_size():
+            raise ValueError(
+                f"pack_dataset(sequence_parallel_size={packed.sequence_parallel_size}), but apply_rmpad("
+                f"sequence_parallel_size={current_size()}): pass the same size to both, so the ranks of one "
+                "sequence-parallel group get the same packs"
+            )
 
 
 def track_training(trainer: Any) -> Any:
@@ -261,12 +270,13 @@ def track_training(trainer: Any) -> Any:
 
 def prepare_trainer(trainer: Any, *, telemetry: bool = True, **telemetry_kwargs: Any) -> Any:
     """`check_setup`, `refuse_liger_kernel`, `keep_rank_packs`, `spread_eval_packs`, `no_dispatch`,
-    `reload_checkpoints_with_key_conversion`, `hf_packing.evaluation.token_level_evaluation`, `track_training` and,
-    unless ``telemetry=False``, `hf_packing.telemetry.add_telemetry` (``max_length`` defaults to the packs').
+    `reload_checkpoints_with_key_conversion`, `hf_packing.training.evaluation.token_level_evaluation`, `track_training`
+    and, unless ``telemetry=False``, `hf_packing.training.telemetry.add_telemetry` (``max_length`` defaults to the
+    packs').
     Returns ``trainer``.
 
     Forgetting it is loud: a patched forward fed `pack_dataset`'s packs from a loader it did not prepare, or fed
-    `VisionCollator` batches that accelerate dispatches, raises at the first step (`hf_packing.prepared`)."""
+    `VisionCollator` batches that accelerate dispatches, raises at the first step (`hf_packing.patches.prepared`)."""
     from .evaluation import token_level_evaluation
 
     check_setup(trainer, telemetry_kwargs)

@@ -20,8 +20,8 @@ A source's format is given (`row_format=`) or detected once from its own columns
 or the source's. A row whose tags and media disagree is skipped as `"placeholder_mismatch"`: never trained with a tag
 left as text.
 
-A source that gives no sample over a full pass raises [`~hf_packing.pack_stats.NoSamplesError`] (see
-[`~hf_packing.pack_stats.check_yield`]) with its top skip reasons.
+A source that gives no sample over a full pass raises [`~hf_packing.packing.stats.NoSamplesError`] (see
+[`~hf_packing.packing.stats.check_yield`]) with its top skip reasons.
 """
 
 from __future__ import annotations

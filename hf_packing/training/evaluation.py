@@ -9,7 +9,7 @@ wrapping two methods of the Trainer instance:
 
 - ``compute_loss`` during evaluation: the model gets no ``num_items_in_batch``, so its loss is the batch's own mean;
   the batch adds ``(loss × n, n, n_correct)`` to on-device sums. ``n`` and ``n_correct`` (argmax == target, counted
-  chunk by chunk inside the loss) are what the patched forward recorded (`hf_packing.loss.recording_token_counts`),
+  chunk by chunk inside the loss) are what the patched forward recorded (`hf_packing.ops.loss.recording_token_counts`),
   else ``n = (labels[..., 1:] != -100).sum()`` (transformers' shift) and ``n_correct`` is read from ``logits``. They
   are recorded, not read from the output's ``num_supervised_tokens`` / ``num_correct_tokens`` attributes, because
   under ``bf16=True`` (accelerate's mixed precision) the output comes back rebuilt by ``convert_outputs_to_fp32``,
@@ -18,9 +18,9 @@ wrapping two methods of the Trainer instance:
   end (one all-reduce), sets ``{prefix}_loss`` to Σ CE / Σ n and adds ``{prefix}_token_accuracy`` = Σ n_correct / Σ n.
 
 Per source. When the eval set is a `pack_dataset` of a ``{name: dataset}`` mix (or packed with ``source_column``), the
-patched loss also sums the three numbers per source (`hf_packing.source_ids`), in the same chunks, on the device;
-they join the same all-reduce and give ``{prefix}_<name>_loss`` and ``{prefix}_<name>_token_accuracy`` per source
-(token-level over the whole eval set and all processes). They are left out when a batch did not give them: an
+patched loss also sums the three numbers per source (`hf_packing.packing.source_ids`), in the same chunks, on the
+device; they join the same all-reduce and give ``{prefix}_<name>_loss`` and ``{prefix}_<name>_token_accuracy`` per
+source (token-level over the whole eval set and all processes). They are left out when a batch did not give them: an
 unpatched model, Liger's fused loss, sequence parallelism.
 
 Mixture-of-experts models (Qwen3-VL-MoE) add ``router_aux_loss_coef · aux_loss`` to the loss when
@@ -51,9 +51,9 @@ from typing import Any
 
 import torch
 
-from .loss import IGNORE_INDEX, CrossEntropySum, counting_sources, recording_token_counts
-from .patches import is_patched
-from .source_ids import per_source_metrics
+from ..ops.loss import IGNORE_INDEX, CrossEntropySum, counting_sources, recording_token_counts
+from ..packing.source_ids import per_source_metrics
+from ..patches import is_patched
 from .unwrap import base_model, packed_dataset
 
 logger = logging.getLogger("hf_packing")
@@ -91,7 +91,7 @@ def batch_sums(
     device: ``5 + 3 · num_sources`` numbers.
 
     ``loss`` is the batch's mean cross-entropy (no ``num_items_in_batch``), ``outputs`` the model's output,
-    ``counts`` what the patched forward recorded for this batch (`hf_packing.loss.recording_token_counts`): with
+    ``counts`` what the patched forward recorded for this batch (`hf_packing.ops.loss.recording_token_counts`): with
     them, n and n correct are the patched loss's own; without, n is counted from the labels and n correct read from
     ``logits`` (if there are any).
     """

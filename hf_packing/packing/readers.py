@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .data import META_COLUMNS
+from ..preprocess.preprocessor import META_COLUMNS
 
 __all__ = ["SOURCE_COLUMN", "IterSource", "MapSource", "load_local", "make_source"]
 
@@ -53,8 +53,8 @@ def _decoded(rows: list[dict[str, Any]], decode: Any) -> list[dict[str, Any]]:
 class MapSource:
     """A `datasets.Dataset` read as raw Arrow rows (no image decoding), 256 at a time; its position is a row number.
 
-    With the [`~hf_packing.data.META_COLUMNS`], planning reads only those columns (and the source tag) and
-    [`~MapSource.fetch`] reads a whole row by number when its pack is processed.
+    With the [`~hf_packing.preprocess.preprocessor.META_COLUMNS`], planning reads only those columns (and the source
+    tag) and [`~MapSource.fetch`] reads a whole row by number when its pack is processed.
     """
 
     def __init__(self, ds: Any) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _compat
+from .. import _compat
 from .varlen import KERNEL_DTYPES, PackedSequences, token_sequences
 
 LINEAR_BACKENDS = ("fla", "reference")
@@ -105,8 +105,6 @@ def masked_causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSe
     """`reference_causal_conv1d` on the whole row at once: tap ``j`` of the window (``W - 1 - j`` tokens back)
     is dropped for the tokens fewer than ``W - 1 - j`` tokens into their sequence, which is what zero padding
     before each sequence gives. One graph for any pack; shapes and dtypes as in the reference."""
-    from transformers.activations import ACT2FN
-
     width, total = weight.shape[-1], x.shape[-1]
     _, offsets = token_sequences(seqs, total, x.device)
     padded = torch.nn.functional.pad(x.to(weight.dtype), (width - 1, 0))
@@ -115,7 +113,9 @@ def masked_causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSe
         back = width - 1 - tap
         out = out + weight[None, :, tap, None] * padded[..., tap : tap + total] * (offsets >= back)
     if activation is not None:
-        out = ACT2FN[activation](out)
+        if activation not in ("silu", "swish"):  # transformers' ACT2FN names for the one activation Qwen3.5 uses
+            raise ValueError(f"causal conv1d activation {activation!r}: only 'silu' is supported")
+        out = torch.nn.functional.silu(out)
     return out.to(x.dtype)
 
 

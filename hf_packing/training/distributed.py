@@ -13,7 +13,7 @@ loaded machine. The Trainer never destroys the group it (through accelerate) cre
 barrier waits for this rank's earlier asynchronous work), a garbage collection (finished `Work` objects held in
 reference cycles, by FSDP2 or DDP hooks for example, let go of their tensors now, on this thread), then
 `torch.distributed.destroy_process_group()`, which joins the group's threads while the interpreter is whole.
-The packer's own producer threads are stopped at exit by `hf_packing.producer` itself.
+The packer's own producer threads are stopped at exit by `hf_packing.packing.producer` itself.
 
 That is not always enough: 1 launch in about 200 of the test suite's 2-process scripts still aborted after
 `end_distributed` (`recipes/train.py`, rank 1, after saving; 9 runs of the 22 multi-process tests on a loaded

@@ -4,15 +4,15 @@ A source is the key of a ``{name: dataset}`` mix given to `pack_dataset`, or the
 ``pack_dataset(source_column=...)``. `PackedDataset.source_names` lists them (the id is the position in that list);
 each processed sample gets ``sample["source_id"]``, `VisionCollator` turns a batch's ids into ``source_ids``
 (int64, one per sequence, in ``cu_seqlens`` order), and the patched loss adds each supervised token's cross-entropy,
-count and argmax hit to its source's slot (`hf_packing.loss`)::
+count and argmax hit to its source's slot (`hf_packing.ops.loss`)::
 
     pack        [caption a(3)] [chart b(4)] [caption c(2)]        source_names = ["caption", "chart"]
     cu_seqlens  [0, 3, 7, 9]       source_ids = [0, 1, 0]
     per source  Σ CE, supervised tokens, correct argmax:  (3, num_sources), on the device, no host sync
 
 Metric names: training logs ``loss/<name>``, ``token_accuracy/<name>`` and ``supervised_tokens/<name>``
-(`hf_packing.telemetry`), evaluation
-``<prefix>_<name>_loss`` and ``<prefix>_<name>_token_accuracy`` (`hf_packing.evaluation`).
+(`hf_packing.training.telemetry`), evaluation
+``<prefix>_<name>_loss`` and ``<prefix>_<name>_token_accuracy`` (`hf_packing.training.evaluation`).
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .sequence_parallel_comm import CommTimer, SPGroup
+from .comm import CommTimer, SPGroup
 
 
-def split_world(size: int) -> tuple[int, int]:
+def data_parallel_rank_world(size: int) -> tuple[int, int]:
     """``(dp rank, dp world)`` of this process under SP size ``size``: the global rank and world divided by it.
 
     SP ranks of one group get the same answer, so `pack_dataset` gives them the same packs. ``(0, 1)`` without
@@ -93,7 +93,3 @@ class SequenceParallelState:
             return None
         mesh = self.mesh()["sp"]
         return SPGroup(mesh.get_group(), mesh.get_local_rank(), self.size, timer=self.timer)
-
-    def data_parallel_rank_world(self) -> tuple[int, int]:
-        """``(dp rank, dp world)`` of this process (`split_world` at this state's size)."""
-        return split_world(self.size)

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .data import REASONS, SkipCounter
-from .formats import FEATURES
+from ..preprocess.formats import FEATURES
+from ..preprocess.preprocessor import REASONS, SkipCounter
 from .planner import CLOSE_REASONS, IntArray, check_int
 
 __all__ = [

@@ -1,11 +1,11 @@
-"""The planner replica: one per (rank, DataLoader worker) of a [`~hf_packing.stream.PackedDataset`].
+"""The planner replica: one per (rank, DataLoader worker) of a [`~hf_packing.packing.dataset.PackedDataset`].
 
 A replica reads every row of the source, plans packs from metadata, schedules closed packs into rank-balanced groups
-and pixel-processes only the packs its rank and worker own (see [`~hf_packing.stream`]'s docstring, 1.-3. and 5.).
-Every replica reads the same rows and makes the same decisions, so replicas agree without communicating; the price is
-that each plans every row (a length index makes that a column read, [`~hf_packing.length_index`]). That includes
-stopping: a source that skips more than `max_skipped_fraction` of its rows raises on every replica at the same row
-([`~hf_packing.pack_stats.check_skips`]).
+and pixel-processes only the packs its rank and worker own (see [`~hf_packing.packing.dataset`]'s docstring, 1.-3. and
+5.). Every replica reads the same rows and makes the same decisions, so replicas agree without communicating; the price
+is that each plans every row (a length index makes that a column read, [`~hf_packing.packing.length_index`]). That
+includes stopping: a source that skips more than `max_skipped_fraction` of its rows raises on every replica at the same
+row ([`~hf_packing.packing.stats.check_skips`]).
 
 A row problem is a [`SampleError`] (a reason of `REASONS`): skipped and counted. Any other exception (a processor or
 library API break, a bug) is not a bad row and ends the pass, on every replica that meets it.
@@ -20,15 +20,15 @@ from typing import Any
 
 import torch
 
+from ..config import PackingConfig
+from ..ops.loss import IGNORE_INDEX
+from ..preprocess.formats import per_source, per_source_dict
+from ..preprocess.preprocessor import Preprocessor, SampleError, SampleMeta
 from .balance import WorkCost, schedule
-from .config import PackingConfig
-from .data import Preprocessor, SampleError, SampleMeta
-from .formats import per_source, per_source_dict
-from .loss import IGNORE_INDEX
-from .pack_stats import PackStats, check_skips, check_yield, overlong_tokens
 from .planner import StreamingPlanner
+from .readers import SOURCE_COLUMN
 from .source_ids import SOURCE_ID, SourceTagger
-from .sources import SOURCE_COLUMN
+from .stats import PackStats, check_skips, check_yield, overlong_tokens
 
 __all__ = ["Replica", "preprocessors"]
 
@@ -61,7 +61,7 @@ def preprocessors(cfg: PackingConfig, processor: Any, names: list[str]) -> dict[
 
 class Replica:
     """The planner replica of (`rank` of `world`, `worker` of `workers`) over `source` (a
-    [`~hf_packing.sources.make_source`] reader of the sources `names`): reads every row, plans, assigns packs to
+    [`~hf_packing.packing.readers.make_source`] reader of the sources `names`): reads every row, plans, assigns packs to
     ranks, processes its own. `cost` weighs a pack's work for rank balance; `position` is a saved
     [`~Replica.position`] to resume from."""
 

@@ -37,7 +37,7 @@ all-gather moves ``n_vision_tokens · H · (1 + deepstack layers)`` elements per
 the same size (gloo has no reduce-scatter).
 
 Qwen3.5's linear-attention layers (Gated DeltaNet) swap shardings the same way, around their whole core (the
-causal conv and the gated delta rule, `hf_packing.sequence_parallel_linear`). The MoE load-balancing loss is
+causal conv and the gated delta rule, `hf_packing.parallel.linear`). The MoE load-balancing loss is
 formed from router statistics summed over the SP group (`load_balancing_loss`), so its value and gradient are the
 SP = 1 ones. Not covered: attention head counts not divisible by ``P`` (refused). ``logits`` / ``hidden_states``
 outputs are gathered without gradient; the loss is computed on the shards.
@@ -57,69 +57,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .patches import sequence_parallel_state
-from .sequence_parallel_comm import (
-    SP_KWARG,
-    CommTimer,
-    LinearHeads,
-    SPGroup,
-    all_gather_rows,
-    all_reduce_sum,
-    gather_sequence,
-    head_to_seq,
-    key_replication,
-    kv_replication,
-    seq_to_head,
-    ulysses_attention,
-)
-from .sequence_parallel_shard import (
-    encode_vision_split,
-    load_balancing_loss,
-    local_targets,
-    pad_and_shard,
-    padded_length,
-    padded_sequences,
-    shard_deepstack,
-    shard_position_ids,
-    shard_range,
-    sp_loss,
-    split_vision_units,
-    text_model_pre_hook,
-)
-from .sequence_parallel_state import SequenceParallelState, split_world
+from ..parallel.comm import SPGroup
+from ..parallel.state import SequenceParallelState
+from . import sequence_parallel_state
 
-__all__ = [
-    "SP_KWARG",
-    "CommTimer",
-    "LinearHeads",
-    "SPGroup",
-    "SequenceParallelState",
-    "all_gather_rows",
-    "all_reduce_sum",
-    "current_size",
-    "current_state",
-    "data_parallel_rank_world",
-    "encode_vision_split",
-    "gather_sequence",
-    "head_to_seq",
-    "init_sequence_parallel",
-    "key_replication",
-    "kv_replication",
-    "load_balancing_loss",
-    "local_targets",
-    "pad_and_shard",
-    "padded_length",
-    "padded_sequences",
-    "seq_to_head",
-    "shard_deepstack",
-    "shard_position_ids",
-    "shard_range",
-    "sp_group",
-    "sp_loss",
-    "split_vision_units",
-    "text_model_pre_hook",
-    "ulysses_attention",
-]
+__all__ = ["current_size", "current_state", "init_sequence_parallel", "sp_group"]
 
 
 def current_state() -> SequenceParallelState | None:
@@ -131,13 +73,6 @@ def current_size() -> int:
     """The SP size set by `apply_rmpad(sequence_parallel_size=...)` (1 when SP is off or nothing is applied)."""
     state = current_state()
     return 1 if state is None else state.size
-
-
-def data_parallel_rank_world(size: int | None = None) -> tuple[int, int]:
-    """``(dp rank, dp world)`` of this process: the global rank and world divided by the SP size (``size``, or the
-    applied one). SP ranks of one group get the same answer, so `pack_dataset` gives them the same packs. ``(0, 1)``
-    without torch.distributed."""
-    return split_world(current_size() if size is None else size)
 
 
 def _applied(size: int) -> SequenceParallelState:

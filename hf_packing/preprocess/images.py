@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
+from ..config import MAX_IMAGE_PIXELS
+
 REASONS: tuple[str, ...] = (  # why a row is skipped: its conversation, its media, its size, its processing
     *("bad_row", "bad_text", "empty_conversation", "no_assistant_turn", "placeholder_mismatch", "missing_file"),
     *("template_error", "unlocated_assistant_turn"),
@@ -27,7 +29,6 @@ REASONS: tuple[str, ...] = (  # why a row is skipped: its conversation, its medi
     *("overlong", "overlong_vision", "length_mismatch", "too_many_images", "too_many_vision_patches"),
     "empty_pack",
 )
-MAX_IMAGE_PIXELS = 89_478_485  # PIL's decompression-bomb limit
 _ORIENTATION = 0x0112  # the EXIF tag
 
 

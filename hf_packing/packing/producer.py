@@ -1,4 +1,5 @@
-"""The producer thread behind a [`~hf_packing.stream.PackedDataset`] iterator, and the registry that ends them at exit.
+"""The producer thread behind a [`~hf_packing.packing.dataset.PackedDataset`] iterator, and the registry that ends them
+at exit.
 
 Reading, planning and pixel work run in a background thread (one per iterator) feeding a queue of `prefetch` items,
 so the consumer (the DataLoader worker or the training loop) only waits when the producer is behind. The thread's

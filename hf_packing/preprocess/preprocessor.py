@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import PackingConfig
+from ..config import MAX_IMAGE_PIXELS, PackingConfig
+from ..ops.loss import IGNORE_INDEX
 from .formats import FORMATS, Conversation, normalize_row, row_fps
-from .images import MAX_IMAGE_PIXELS, REASONS, ImageLoader, OverlongError, SampleError
-from .loss import IGNORE_INDEX
+from .images import REASONS, ImageLoader, OverlongError, SampleError
 from .templates import ChatRenderer
 from .video import VideoInfo, VideoLoader, is_file_ref
 from .video_sampling import VideoSampling
@@ -45,7 +45,8 @@ from .video_sampling import VideoSampling
 logger = logging.getLogger("hf_packing")
 
 
-#: a row's planning metadata as columns (`hf_packing.length_index`): tokens, images, Σ t·h·w, Σ t·(h·w)², videos and
+#: a row's planning metadata as columns (`hf_packing.packing.length_index`): tokens, images, Σ t·h·w, Σ t·(h·w)²,
+#: videos and
 #: their `<|video_pad|>` tokens, for a refused row its reason and message (tokens -1), and what the row carries
 #: beyond text (`formats.FEATURES`, comma-separated)
 META_COLUMNS = (
@@ -139,7 +140,7 @@ class Preprocessor:
         processor: a Qwen-VL processor (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`, `Qwen3VLProcessor`).
         max_length (`int`, *optional*): token budget (`None`: none); longer samples follow `on_overlong`.
         media_root, video_root, fps, videos_kwargs, train_on, on_overlong, max_image_pixels, chat_template_kwargs,
-            empty_thinking: one source's value of the [`~hf_packing.stream.pack_dataset`] setting of that name
+            empty_thinking: one source's value of the [`~hf_packing.packing.dataset.pack_dataset`] setting of that name
             (`image_root`: `media_root`'s former name).
         row_format (`str`, defaults to `"auto"`): `"messages"`, `"llava"`, or `"auto"` per row (see `formats.py`).
     """
@@ -200,8 +201,8 @@ class Preprocessor:
         return self._prepare(row, index).meta
 
     def metadata_columns(self, row: Mapping[str, Any], index: Any = None) -> dict[str, Any]:
-        """[`META_COLUMNS`] of one row: what [`~hf_packing.length_index.build_length_index`] stores (once, shared by
-        every rank through the `datasets` cache); `pack_dataset` then plans from these columns (for a
+        """[`META_COLUMNS`] of one row: what [`~hf_packing.packing.length_index.build_length_index`] stores (once,
+        shared by every rank through the `datasets` cache); `pack_dataset` then plans from these columns (for a
         `datasets.Dataset` it reads only them) instead of estimating each row in every worker of every rank. A refused
         row keeps its reason and message, so it is counted without being read again. Stale columns are caught when
         the sample is processed (`"length_mismatch"`)."""
@@ -270,8 +271,9 @@ class Preprocessor:
         """The text the processor receives and the character spans supervised in it (`None`: every token).
 
         The checkpoint's chat template renders the conversation as written; the supervised spans are its assistant
-        turns (from `first_supervised` on) as [`~hf_packing.templates.ChatRenderer`] locates them. A standard TRL
-        prompt/completion row has no template: `prompt + completion + eos`, the completion and eos supervised.
+        turns (from `first_supervised` on) as [`~hf_packing.preprocess.templates.ChatRenderer`] locates them. A
+        standard TRL prompt/completion row has no template: `prompt + completion + eos`, the completion and eos
+        supervised.
         """
         if conv.raw is not None:
             prompt, completion = conv.raw
