@@ -18,6 +18,7 @@ LINTED := hf_packing tests recipes benchmarks
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 demo: $(VENV)/.installed

@@ -148,9 +148,8 @@ class VisionCollator:
             model_config, "video_token_id", None
         )
         image_processor = getattr(processor, "image_processor", None)
-        self.merge = getattr(image_processor, "merge_size", None) or getattr(
-            getattr(model_config, "vision_config", None), "spatial_merge_size", 2
-        )
+        merge: Any = getattr(image_processor, "merge_size", None)
+        self.merge = int(merge or getattr(getattr(model_config, "vision_config", None), "spatial_merge_size", 2))
         self.patch_dim = None
         if image_processor is not None and hasattr(image_processor, "patch_size"):
             self.patch_dim = 3 * image_processor.temporal_patch_size * image_processor.patch_size**2
@@ -159,7 +158,7 @@ class VisionCollator:
     def _flatten(self, features: Sequence[Any]) -> list[Mapping[str, Any]]:
         if features is None or len(features) == 0:
             raise ValueError("VisionCollator got an empty batch; check the dataset yields packs or samples")
-        samples = []
+        samples: list[Mapping[str, Any]] = []
         for item in features:
             samples.extend(item if isinstance(item, (list, tuple)) else [item])
         if not samples:
@@ -247,7 +246,7 @@ class VisionCollator:
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch_size = len(ids)
-        out = {
+        out: dict[str, Any] = {
             "input_ids": torch.full((batch_size, width), self.pad_token_id, dtype=torch.long),
             "labels": torch.full((batch_size, width), IGNORE_INDEX, dtype=torch.long),
             "attention_mask": torch.zeros((batch_size, width), dtype=torch.long),
@@ -290,8 +289,8 @@ class VisionCollator:
         }
 
     @staticmethod
-    def _vision(samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        out = {}
+    def _vision(samples: list[Mapping[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for key in VISION_KEYS:
             parts = [torch.as_tensor(s[key]) for s in samples if s.get(key) is not None]
             if parts:

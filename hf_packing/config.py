@@ -14,7 +14,6 @@ dict. From YAML or Python they are given as such; on a command line a list is se
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import typing
@@ -311,7 +310,6 @@ def per_source_flags(parser: Any) -> Any:
     return parser
 
 
-@functools.cache
 def literal_choices(cls: type) -> dict[str, tuple[Any, ...]]:
     """{field name: its allowed values} for `cls`'s `Literal` fields."""
     hints = typing.get_type_hints(cls)

@@ -198,7 +198,9 @@ def run(
         MONKEYPATCH.setattr(
             sequence_parallel_shard,
             "padded_sequences",
-            lambda seqs, p: type(seqs).from_seqlens([sequence_parallel_shard.padded_length(int(seqs.cu_seqlens[-1]), p)]),
+            lambda seqs, p: type(seqs).from_seqlens(
+                [sequence_parallel_shard.padded_length(int(seqs.cu_seqlens[-1]), p)]
+            ),
         )
     state = sequence_parallel.current_state()  # apply_rmpad's: its timer is the one the telemetry reads
     if checkpointing:  # non-reentrant: backward recomputes each layer, its all-to-alls included
@@ -322,7 +324,8 @@ def _per_shard_aux(router_logits, num_experts: int, top_k: int, sp, total: int):
 
 
 def packer_groups(size: int) -> dict:
-    """`pack_dataset(sequence_parallel_size=P)` without rank / world arguments: which samples each rank gets. Ranks of one SP group must get the same packs, groups disjoint ones."""
+    """`pack_dataset(sequence_parallel_size=P)` without rank / world arguments: which samples each rank gets. Ranks
+    of one SP group must get the same packs, groups disjoint ones."""
     from datasets import Dataset
 
     from hf_packing import pack_dataset

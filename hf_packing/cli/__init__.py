@@ -17,7 +17,7 @@ from ..testing.tiny import MODEL_TYPES
 def _parser() -> argparse.ArgumentParser:
     from transformers import HfArgumentParser
 
-    from .demo import DEMO_PACKING, DemoConfig
+    from .demo import DEMO_MAX_LENGTH, DemoConfig
 
     parser = argparse.ArgumentParser(prog="hf-packing", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -26,12 +26,13 @@ def _parser() -> argparse.ArgumentParser:
     # dataclass with its default and help
     def packing() -> dict[str, Any]:  # a parent per command: argparse shares a parent's actions (and defaults)
         return {
-            "parents": [per_source_flags(HfArgumentParser(PackingConfig, add_help=False))],
+            # transformers types its dataclasses as a NewType of Any, which a dataclass type is not
+            "parents": [per_source_flags(HfArgumentParser(PackingConfig, add_help=False))],  # type: ignore[arg-type]
             "formatter_class": ArgumentDefaultsHelpFormatter,
         }
 
     demo = sub.add_parser("demo", help="generate data, pack, patch and train a tiny Qwen-VL on CPU", **packing())
-    demo.set_defaults(**DEMO_PACKING)
+    demo.set_defaults(max_length=DEMO_MAX_LENGTH)
     demo.add_argument("--output-dir", type=Path, default=Path("demo_out"))
     demo.add_argument("--model", help="local checkpoint dir (default: a tiny random --model-type saved in output-dir)")
     demo.add_argument("--model-type", default="qwen2_5_vl", choices=MODEL_TYPES, help="family of the tiny model")

@@ -23,7 +23,7 @@ logger = logging.getLogger("hf_packing")
 
 
 #: the demo's packing settings where they differ from PackingConfig's defaults: short packs for a CPU run
-DEMO_PACKING = {"max_length": 2048}
+DEMO_MAX_LENGTH = 2048
 
 
 @dataclass
@@ -38,7 +38,7 @@ class DemoConfig:
     learning_rate: float = 3e-3
     eval_fraction: float = 0.1  # the last rows, evaluated 4 times during training (0: no evaluation)
     #: how the data is packed; its `seed` also seeds the model, the generated data and training
-    packing: PackingConfig = field(default_factory=lambda: PackingConfig(**DEMO_PACKING))
+    packing: PackingConfig = field(default_factory=lambda: PackingConfig(max_length=DEMO_MAX_LENGTH))
 
 
 def _prepare(cfg: DemoConfig) -> tuple[str, str, str]:
@@ -71,8 +71,8 @@ def with_sources(ds):
     if "source" in ds.column_names:
         return ds, "source"
     media = [c for c in ("images", "image", "videos", "video") if c in ds.column_names]
-    table = ds.select_columns(media).with_format("arrow")[:] if media else None
     has = pa.array([False] * len(ds))
+    table = ds.select_columns(media).with_format("arrow")[:] if media else pa.table({})
     for column in media:
         values = table.column(column)
         listed = pa.types.is_list(values.type) or pa.types.is_large_list(values.type)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..packing.stats import PADDED_BATCH
@@ -95,7 +95,7 @@ def plot_loss(steps: Sequence[int], losses: Sequence[float], path: str | Path) -
 
 
 def plot_stats(
-    fills: dict[str, Sequence[float]], sample_lengths: Sequence[int], path: str | Path, max_length: int
+    fills: Mapping[str, Sequence[float]], sample_lengths: Sequence[int], path: str | Path, max_length: int
 ) -> Path:
     """Histogram of pack fill per strategy, and of sample lengths."""
     plt = _pyplot()
@@ -171,7 +171,7 @@ def plot_curves(log_history: Sequence[dict], path: str | Path, *, title: str = "
     fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 3.8))
     for ax, (panel, lines) in zip(axes, curves.items(), strict=True):
         for label, points in lines.items():
-            split, name = label.split(" ", 1) if " " in label else (label, None)
+            split, name = label.split(" ", 1) if " " in label else (label, "")
             style = {"linestyle": "-", "marker": "."} if split == "train" else {"linestyle": "--", "marker": "o"}
             steps, values = zip(*points, strict=True)
             ax.plot(steps, values, color=colours.get(name, "black"), label=label, linewidth=1.2, markersize=3, **style)

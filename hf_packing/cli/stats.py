@@ -36,7 +36,10 @@ def collect_metadata(dataset, preprocessor: Preprocessor, *, show_progress: bool
     carrying it (flat counts, so several sources' add up)."""
     from tqdm.auto import tqdm
 
-    lengths, images, patches, videos = [], [], [], Counter()
+    lengths: list[int] = []
+    images: list[int] = []
+    patches: list[int] = []
+    videos: Counter[str] = Counter()
     skipped = SkipCounter()
     total = len(dataset) if hasattr(dataset, "__len__") else None
     for index, row in enumerate(tqdm(dataset, total=total, desc="metadata", unit="rows", disable=not show_progress)):
@@ -93,7 +96,10 @@ def run_stats(args: argparse.Namespace, config: PackingConfig | None = None) -> 
     processor = AutoProcessor.from_pretrained(args.processor)
     pres = preprocessors(cfg, processor, names)  # the ones pack_dataset would use
     show = sys.stderr.isatty() and not cfg.disable_progress
-    lengths, images, patches, skipped, videos = [], [], [], SkipCounter(), Counter()
+    lengths: list[int] = []
+    images: list[int] = []
+    patches: list[int] = []
+    skipped, videos = SkipCounter(), Counter[str]()
     for name, dataset in sources.items():
         meta = collect_metadata(dataset, pres[name], show_progress=show)
         for total, part in zip((lengths, images, patches), meta[:3]):

@@ -61,7 +61,8 @@ class CommTimer:
     """
 
     def __init__(self) -> None:
-        self.enabled, self.seconds, self.events = False, 0.0, []
+        self.enabled, self.seconds = False, 0.0
+        self.events: list[Any] = []
 
     def enable(self, on: bool = True) -> None:
         self.enabled, self.seconds, self.events = on, 0.0, []

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from .comm import SPGroup, all_gather_rows, head_to_seq, key_replication, seq_to_head
+from .comm import LinearHeads, SPGroup, all_gather_rows, head_to_seq, key_replication, seq_to_head
 
 #: ``(x (1, C', T), weight (C', W), bias (C',) | None) -> (1, C', T)``: the varlen conv with global boundaries.
 ConvKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -38,10 +38,17 @@ ConvKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.T
 DeltaRuleKernel = Callable[..., torch.Tensor]
 
 
+def _layout(sp: SPGroup) -> LinearHeads:
+    """The group's linear-attention head layout (set by the text-model hook on hybrid models)."""
+    if sp.linear is None:
+        raise ValueError("the sequence-parallel group has no linear-attention head layout (not a hybrid model)")
+    return sp.linear
+
+
 def _rank_channels(sp: SPGroup, device: torch.device) -> torch.Tensor:
     """Indices of this rank's conv channels: its ``1/P`` of the q, of the k and of the v block, in that order."""
     rows, offset = [], 0
-    for width in sp.linear.channels():
+    for width in _layout(sp).channels():
         share = width // sp.size
         rows.append(torch.arange(offset + sp.rank * share, offset + (sp.rank + 1) * share, device=device))
         offset += width
@@ -62,8 +69,8 @@ def ulysses_causal_conv1d(
         `torch.Tensor` of shape `(1, C, T/P)`: the conv of this rank's ``C/P`` channels over all ``T`` tokens, each
         of its q / k / v blocks ``(T, c)`` reshaped into the ``(T/P, P·c)`` slot of that block (module docstring).
     """
-    key_replication(sp.linear, sp.size)  # the split must be even (raises a named error otherwise)
-    widths = sp.linear.channels()
+    key_replication(_layout(sp), sp.size)  # the split must be even (raises a named error otherwise)
+    widths = _layout(sp).channels()
     local = x.shape[-1]
     blocks = x[0].transpose(0, 1).split(widths, dim=1)  # (T/P, w) each
     # per destination rank j: its 1/P of each block, as "heads" of one channel for seq_to_head
@@ -83,9 +90,10 @@ def _key_heads(q: torch.Tensor, k: torch.Tensor, sp: SPGroup) -> tuple[torch.Ten
     With ``H_k`` divisible by ``P`` the shard is those heads. Otherwise the shards are all-gathered and each key
     head repeated ``P / gcd(H_k, P)`` times (`key_replication`), of which rank ``r`` takes its ``1/P``.
     """
-    heads, dim = sp.linear.key_heads, sp.linear.key_dim
+    layout = _layout(sp)
+    heads, dim = layout.key_heads, layout.key_dim
     total = q.shape[0]
-    repeat = key_replication(sp.linear, sp.size)
+    repeat = key_replication(layout, sp.size)
     if repeat == 1:
         return q.reshape(total, heads // sp.size, dim), k.reshape(total, heads // sp.size, dim)
     width = q.shape[1]
@@ -120,12 +128,12 @@ def ulysses_gated_delta_rule(
     """
     local, value_heads, value_dim = v.shape[1:]
     total = local * sp.size
-    seen = q.shape[2]
-    if seen != sp.linear.key_heads:  # transformers 5.17 repeats q / k heads up to the value heads before the rule
-        q, k = (t.unflatten(2, (sp.linear.key_heads, seen // sp.linear.key_heads))[:, :, :, 0] for t in (q, k))
+    seen, key_heads = q.shape[2], _layout(sp).key_heads
+    if seen != key_heads:  # transformers 5.17 repeats q / k heads up to the value heads before the rule
+        q, k = (t.unflatten(2, (key_heads, seen // key_heads))[:, :, :, 0] for t in (q, k))
     qh, kh = _key_heads(q.reshape(total, -1), k.reshape(total, -1), sp)
     vh = v.reshape(total, value_heads // sp.size, value_dim)
-    if seen != sp.linear.key_heads:  # ... so do the same with this rank's heads (its kernels may expect it)
+    if seen != key_heads:  # ... so do the same with this rank's heads (its kernels may expect it)
         qh, kh = (t.repeat_interleave(vh.shape[1] // t.shape[1], dim=1) for t in (qh, kh))
     gates = seq_to_head(torch.stack([g[0], beta[0].to(g.dtype)], dim=-1), sp)  # (T, H_v/P, 2), one all-to-all
     gh, bh = gates[..., 0], gates[..., 1].to(beta.dtype)

@@ -126,7 +126,8 @@ def split_vision_units(grid_thw: list[list[int]], size: int) -> list[list[int]]:
     ``[[1, 4, 4], [2, 2, 2]]`` (16 + 2 × 4 patches), ``size=2`` → ``[[0], [1, 2]]``.
     """
     patches = [h * w for t, h, w in grid_thw for _ in range(t)]
-    load, ranks = [0] * size, [[] for _ in range(size)]
+    load = [0] * size
+    ranks: list[list[int]] = [[] for _ in range(size)]
     for unit in sorted(range(len(patches)), key=lambda u: (-patches[u], u)):
         rank = min(range(size), key=lambda r: (load[r], r))
         ranks[rank].append(unit)

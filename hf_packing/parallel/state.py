@@ -83,7 +83,8 @@ class SequenceParallelState:
         if world % self.size:
             raise ValueError(f"world size {world} is not a multiple of sequence_parallel_size={self.size}")
         if device_type is None:
-            device_type = "cpu" if dist.get_backend() == "gloo" else torch.accelerator.current_accelerator().type
+            accelerator = torch.accelerator.current_accelerator()
+            device_type = "cpu" if dist.get_backend() == "gloo" or accelerator is None else accelerator.type
         self.device_mesh = init_device_mesh(device_type, (world // self.size, self.size), mesh_dim_names=("dp", "sp"))
         return self.device_mesh
 

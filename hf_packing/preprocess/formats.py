@@ -87,7 +87,8 @@ def per_source_dict(value: Any, names: Sequence[str], setting: str) -> dict[str 
     """A dict-valued setting (`videos_kwargs`, `chat_template_kwargs`) for every source: one mapping for all, a list,
     or `{source name: mapping}` (a mapping whose keys are all source names)."""
     if isinstance(value, Mapping) and (not names or not set(value) <= set(names)):
-        return dict.fromkeys(list(names) or [None], value)
+        keys: list[str | None] = list(names) or [None]
+        return dict.fromkeys(keys, value)
     return per_source(value, names, setting)
 
 
@@ -114,7 +115,7 @@ def detect_format(columns: Sequence[str] | None, name: str | None = None) -> str
 
 def source_formats(ds: Any, row_format: Any = "auto") -> dict[str | None, str]:
     """Each source's format: given in `row_format` (one, or `{name: format}`), else detected from its columns."""
-    parts = {str(n): p for n, p in ds.items()} if isinstance(ds, Mapping) else {None: ds}
+    parts: dict[str | None, Any] = {str(n): p for n, p in ds.items()} if isinstance(ds, Mapping) else {None: ds}
     given = per_source(row_format, [n for n in parts if n is not None], "row_format", "auto")
     for name, fmt in given.items():
         if fmt not in FORMATS:
@@ -330,7 +331,7 @@ def normalize_row(row: Mapping[str, Any], index: Any = None, *, row_format: str 
             raise SampleError("bad_row", "prompt and completion must both be text or both be lists of messages")
         turns, first = [*prompt, *completion], len(prompt)
     else:
-        turns, first = row.get("messages" if row_format == "messages" else "conversations"), 0
+        turns, first = row.get("messages" if row_format == "messages" else "conversations") or [], 0
     llava = row_format == "llava"
     if llava:
         images, videos = _media(row, "image", "images"), _media(row, "video", "videos")
@@ -341,8 +342,10 @@ def normalize_row(row: Mapping[str, Any], index: Any = None, *, row_format: str 
     # LLaMA-Factory: HF messages whose string contents hold <image> / <video> tags for the `images` / `videos` columns
     split_tags = llava or (bool(images or videos) and not typed)
     inline = not llava and not images and not videos
-    opts = {"sharegpt": llava, "split_tags": split_tags, "inline": inline, "images": images, "videos": videos}
-    messages = [_message(turn, index, **opts) for turn in turns]
+    messages = [
+        _message(turn, index, sharegpt=llava, split_tags=split_tags, inline=inline, images=images, videos=videos)
+        for turn in turns
+    ]
     if not messages:
         raise SampleError("empty_conversation", "the conversation is empty")
     tags = Counter(

@@ -138,7 +138,7 @@ class ImageLoader:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 # in place unless it is the caller's image (a copy then)
-                rgb = to_rgb(ImageOps.exif_transpose(image, in_place=image is not ref) or image)
+                rgb = to_rgb(_upright(image, in_place=image is not ref))
         except (OSError, SyntaxError, ValueError) as err:
             raise SampleError("corrupt_image", f"image cannot be decoded ({err})") from None
         finally:
@@ -152,6 +152,14 @@ def _check_tail(head: bytes, tail: bytes) -> None:
     jpeg, png = head.startswith(b"\xff\xd8"), head.startswith(b"\x89PNG")
     if (jpeg and b"\xff\xd9" not in tail) or (png and b"IEND" not in tail):
         raise SampleError("corrupt_image", "image data is truncated (no end-of-image marker)")
+
+
+def _upright(image: Image.Image, in_place: bool) -> Image.Image:
+    """``image`` turned as its EXIF orientation says (PIL returns None when it turned it in place)."""
+    if in_place:
+        ImageOps.exif_transpose(image, in_place=True)
+        return image
+    return ImageOps.exif_transpose(image)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -154,7 +154,7 @@ class Preprocessor:
         video_root: str | os.PathLike | None = None,
         fps: float | None = None,
         videos_kwargs: Mapping[str, Any] | None = None,
-        row_format: str = PackingConfig.row_format,  # the defaults are pack_dataset's, declared once there
+        row_format: Any = PackingConfig.row_format,  # the defaults are pack_dataset's, declared once there
         train_on: str = PackingConfig.train_on,
         on_overlong: str = PackingConfig.on_overlong,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
@@ -306,6 +306,9 @@ class Preprocessor:
             return text, [], ([], [], []), lambda p: p
         from transformers.video_utils import VideoMetadata
 
+        # a row with videos reached here only with a video processor (`_video` refuses it before)
+        assert self.sampling is not None and self.video_token is not None
+
         pieces, runs, patches, ranges, edits, squares = [], [], [], [], [], []
         pos, out_len = 0, 0
         for video in videos:
@@ -398,7 +401,7 @@ class Preprocessor:
                         **self.sampling.processor_kwargs(),
                     }
                 }
-                if videos
+                if videos and self.sampling is not None
                 else {}
             )
             out = self.processor(text=[prep.text], images=images, videos=videos, return_tensors="pt", **kwargs)

@@ -204,16 +204,24 @@ def _trusted(
     return VideoInfo(frames, int(height), int(width), fps, duration or frames / fps)
 
 
+def _installed(module: Any) -> Any:
+    """``module`` (a decoder `_compat` found), or a `SampleError` when it is not installed."""
+    if module is None:
+        raise SampleError("unsupported_video", "no video decoder is installed: pip install 'hf_packing[video]'")
+    return module
+
+
 def _pyav_input(src: Path | bytes) -> str | io.BytesIO:
     return io.BytesIO(src) if isinstance(src, bytes) else str(src)
 
 
 def _probe_pyav(src: Path | bytes) -> VideoInfo:
-    av = _compat.pyav()
+    av = _installed(_compat.pyav())
     with av.open(_pyav_input(src)) as container:
         if not container.streams.video:
             raise SampleError("empty_video", "the file has no video stream")
         stream = container.streams.video[0]
+        duration: float | None = None
         if stream.duration:
             duration = float(stream.duration * stream.time_base)
         else:  # webm/mkv: only the container's
@@ -223,7 +231,7 @@ def _probe_pyav(src: Path | bytes) -> VideoInfo:
 
 
 def _decode_pyav(src: Path | bytes, indices: Sequence[int], info: VideoInfo) -> np.ndarray:
-    av = _compat.pyav()
+    av = _installed(_compat.pyav())
     wanted, last = set(indices), max(indices)
     picked: dict[int, np.ndarray] = {}
     tail, ordinal = None, -1

@@ -160,5 +160,5 @@ def _helper_ignores_cap(vp: Any) -> bool:
     """Whether `get_num_of_video_patches` leaves out `cap_pixels_per_frame` (Qwen2-VL's on transformers 5.23)."""
     capped, plain = copy.copy(vp), copy.copy(vp)
     capped.cap_pixels_per_frame, plain.cap_pixels_per_frame = True, False
-    args = (768, 2048, 2048, {})  # far over any cap
+    args: tuple[Any, ...] = (768, 2048, 2048, {})  # far over any cap
     return capped.get_num_of_video_patches(*args) == plain.get_num_of_video_patches(*args)

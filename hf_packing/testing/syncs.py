@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import collections
 import sys
+import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +74,7 @@ def _is_sync(func: Any, args: tuple, kwargs: dict) -> bool:
 
 def origin() -> str:
     """``path:line function`` of the innermost stack frame outside torch and this module."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
         if not path.startswith(_TORCH_DIR) and path != _THIS_FILE:
@@ -166,7 +168,7 @@ class SyncCounter:
         self.host_reads: collections.Counter[tuple[str, str]] = collections.Counter()
         self.creations: collections.Counter[tuple[str, str]] = collections.Counter()
         self._modes = (_Function(self), _Dispatch(self))
-        self._from_numpy = None
+        self._from_numpy: Callable[..., torch.Tensor] = torch.from_numpy
 
     def __enter__(self) -> SyncCounter:
         for mode in self._modes:

@@ -261,7 +261,7 @@ def _train_tokenizer(model_type: str) -> tuple[dict[str, int], list[tuple[str, s
     vocab: dict[str, int] = model["vocab"]
     if len(vocab) != BASE_VOCAB:
         raise RuntimeError(f"tiny BPE reached {len(vocab)} tokens instead of {BASE_VOCAB}; enlarge the corpus")
-    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    merges = [(m.split(" ", 1)[0], m.split(" ", 1)[1]) if isinstance(m, str) else (m[0], m[1]) for m in model["merges"]]
     return {**vocab, **TOKEN_IDS}, merges
 
 
@@ -322,7 +322,7 @@ def build_tiny_processor(model_type: str, save_dir: str | Path) -> Path:
         norm = {}  # the classes default to the OpenAI CLIP mean/std, as the real checkpoints do
         patch, img_size = 14, {"shortest_edge": 56 * 56, "longest_edge": 448 * 448}
         vid_size = {"shortest_edge": 56 * 56, "longest_edge": 224 * 224}
-    common = {"patch_size": patch, "temporal_patch_size": 2, "merge_size": 2, **norm}
+    common: dict[str, Any] = {"patch_size": patch, "temporal_patch_size": 2, "merge_size": 2, **norm}
     image_processor = Qwen2VLImageProcessor(size=img_size, **common)
     video_processor = video_cls(size=vid_size, cap_pixels_per_frame=False, **common)
     processor = processor_cls(
@@ -397,7 +397,7 @@ def check_special_tokens(config: PretrainedConfig, processor_dir: str | Path | A
         processor_dir (`str`, `Path`, processor or tokenizer):
             Where to read the tokenizer from.
     """
-    tok = processor_dir
+    tok: Any = processor_dir
     if isinstance(processor_dir, (str, Path)):
         from transformers import AutoTokenizer
 
