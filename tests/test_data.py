@@ -17,8 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from hf_packing.preprocess.errors import SampleError, SkipCounter
+from hf_packing.preprocess.formats import normalize_row
 from hf_packing.preprocess.images import to_rgb
-from hf_packing.preprocess.preprocessor import Preprocessor, SampleError, SkipCounter, normalize_row
+from hf_packing.preprocess.preprocessor import Preprocessor
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")

@@ -11,8 +11,9 @@ from conftest import FIXTURES, image, load_processor
 from PIL import Image
 
 from hf_packing.collator import RopeIndex
-from hf_packing.preprocess.formats import Conversation
-from hf_packing.preprocess.preprocessor import Preprocessor, SampleError, normalize_row
+from hf_packing.preprocess.errors import SampleError
+from hf_packing.preprocess.formats import Conversation, normalize_row
+from hf_packing.preprocess.preprocessor import Preprocessor
 from hf_packing.testing.tiny import tiny_config
 
 

@@ -18,7 +18,8 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from hf_packing.packing.dataset import pack_dataset
-from hf_packing.preprocess.preprocessor import Preprocessor, SampleError
+from hf_packing.preprocess.errors import SampleError
+from hf_packing.preprocess.preprocessor import Preprocessor
 
 ROWS = 48
 

@@ -22,7 +22,8 @@ from PIL import Image
 
 from hf_packing.ops.loss import IGNORE_INDEX
 from hf_packing.preprocess import formats
-from hf_packing.preprocess.preprocessor import Preprocessor, SampleError
+from hf_packing.preprocess.errors import SampleError
+from hf_packing.preprocess.preprocessor import Preprocessor
 from hf_packing.preprocess.templates import TemplateError
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"

@@ -16,7 +16,8 @@ import torch
 from conftest import FIXTURES, image, load_processor, write_clip
 
 from hf_packing.preprocess import video as video_module
-from hf_packing.preprocess.preprocessor import Preprocessor, SampleError
+from hf_packing.preprocess.errors import SampleError
+from hf_packing.preprocess.preprocessor import Preprocessor
 
 av = pytest.importorskip("av", reason="the 'video' extra (PyAV) decodes video files")
 

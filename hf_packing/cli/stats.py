@@ -24,8 +24,9 @@ from ..config import STRATEGIES, PackingConfig
 from ..packing.planner import StreamingPlanner
 from ..packing.replica import preprocessors
 from ..packing.stats import pack_stats
+from ..preprocess.errors import SampleError, SkipCounter
 from ..preprocess.formats import FEATURES, source_formats
-from ..preprocess.preprocessor import Preprocessor, SampleError, SkipCounter
+from ..preprocess.preprocessor import Preprocessor
 
 logger = logging.getLogger("hf_packing")
 

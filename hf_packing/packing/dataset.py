@@ -63,8 +63,9 @@ import torch
 from ..config import PackingConfig
 from ..parallel.state import data_parallel_rank_world
 from ..preprocess.checks import check_processor
+from ..preprocess.errors import REASONS
 from ..preprocess.formats import FEATURES, source_formats
-from ..preprocess.preprocessor import REASONS, Preprocessor
+from ..preprocess.preprocessor import Preprocessor
 from .balance import WorkCost
 from .length_index import with_length_index
 from .planner import CLOSE_REASONS

@@ -22,8 +22,9 @@ import torch
 
 from ..config import PackingConfig
 from ..ops.loss import IGNORE_INDEX
+from ..preprocess.errors import SampleError
 from ..preprocess.formats import per_source, per_source_dict
-from ..preprocess.preprocessor import Preprocessor, SampleError, SampleMeta
+from ..preprocess.preprocessor import Preprocessor, SampleMeta
 from .balance import WorkCost, schedule
 from .planner import StreamingPlanner
 from .readers import SOURCE_COLUMN

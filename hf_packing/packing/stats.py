@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..preprocess.errors import REASONS, SkipCounter
 from ..preprocess.formats import FEATURES
-from ..preprocess.preprocessor import REASONS, SkipCounter
 from .planner import CLOSE_REASONS, IntArray, check_int
 
 __all__ = [

@@ -35,7 +35,7 @@ from typing import Any
 
 from transformers.utils import logging
 
-from .images import SampleError
+from .errors import SampleError
 
 __all__ = [
     "FEATURES",

@@ -20,28 +20,9 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from ..config import MAX_IMAGE_PIXELS
+from .errors import SampleError
 
-REASONS: tuple[str, ...] = (  # why a row is skipped: its conversation, its media, its size, its processing
-    *("bad_row", "bad_text", "empty_conversation", "no_assistant_turn", "placeholder_mismatch", "missing_file"),
-    *("template_error", "unlocated_assistant_turn"),
-    *("path_outside_root", "empty_image", "corrupt_image", "image_too_large", "bad_aspect_ratio", "unsupported_video"),
-    *("empty_video", "corrupt_video", "video_too_large"),
-    *("overlong", "overlong_vision", "length_mismatch", "too_many_images", "too_many_vision_patches"),
-    "empty_pack",
-)
 _ORIENTATION = 0x0112  # the EXIF tag
-
-
-class SampleError(ValueError):
-    """A row that cannot become a sample; `reason` is one of [`REASONS`]. Skipped and counted (`on_error="skip"`)."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class OverlongError(ValueError):
-    """A sample over `max_length` with `on_overlong="error"`; always raised, whatever `on_error` is."""
 
 
 class ImageLoader:

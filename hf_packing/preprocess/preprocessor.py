@@ -26,7 +26,6 @@ import logging
 import os
 import re
 import warnings
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +35,9 @@ import torch
 
 from ..config import MAX_IMAGE_PIXELS, PackingConfig
 from ..ops.loss import IGNORE_INDEX
+from .errors import REASONS, OverlongError, SampleError, SkipCounter
 from .formats import FORMATS, Conversation, normalize_row, row_fps
-from .images import REASONS, ImageLoader, OverlongError, SampleError
+from .images import ImageLoader
 from .templates import ChatRenderer
 from .video import VideoInfo, VideoLoader, is_file_ref
 from .video_sampling import VideoSampling
@@ -72,30 +72,6 @@ __all__ = [
     "SkipCounter",
     "normalize_row",
 ]
-
-
-class SkipCounter(Counter):
-    """A `Counter` of skipped samples by reason (or by `key`, e.g. `(source, reason)`) that logs the first skip of each
-    key once, with the sample id."""
-
-    def __init__(self, *args: Any, log: bool = True, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.log = log
-
-    def record(
-        self, reason: str, index: Any, message: str, *, key: Any = None, exc_info: BaseException | None = None
-    ) -> None:
-        key = reason if key is None else key
-        if self[key] == 0 and self.log:
-            logger.warning(
-                "skipping sample %s (%s): %s. Further %r skips are only counted (see stats()).",
-                index,
-                reason,
-                message,
-                reason,
-                exc_info=exc_info,
-            )
-        self[key] += 1
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .images import SampleError
+from .errors import SampleError
 
 __all__ = ["EMPTY_THINKING", "ChatRenderer", "TemplateError", "TurnMarkers"]
 

@@ -34,7 +34,8 @@ import numpy as np
 
 from .. import _compat
 from ..config import MAX_IMAGE_PIXELS
-from .images import ImageLoader, SampleError
+from .errors import SampleError
+from .images import ImageLoader
 
 __all__ = ["BACKEND", "BACKENDS", "VideoInfo", "VideoLoader", "backend", "is_file_ref"]
 

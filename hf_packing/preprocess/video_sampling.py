@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .images import SampleError
+from .errors import SampleError
 from .video import VideoInfo
 
 __all__ = ["DEFAULT_FPS", "VIDEO_KWARGS", "VideoSampling"]
