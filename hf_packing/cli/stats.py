@@ -27,7 +27,7 @@ from ..packing.stats import pack_stats
 from ..preprocess.formats import FEATURES, source_formats
 from ..preprocess.preprocessor import Preprocessor, SampleError, SkipCounter
 
-logger = logging.getLogger("hf_packing")
+logger = logging.getLogger(__name__)
 
 
 def collect_metadata(dataset, preprocessor: Preprocessor, *, show_progress: bool = True):
