@@ -13,7 +13,7 @@ import logging
 from functools import cache
 from types import ModuleType, SimpleNamespace
 
-logger = logging.getLogger("hf_packing")
+logger = logging.getLogger(__name__)
 
 
 def _broken(package: str, error: BaseException, instead: str) -> None:

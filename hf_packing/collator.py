@@ -33,7 +33,7 @@ from .packing.source_ids import SOURCE_ID
 from .preprocess.checks import check_processor
 from .preprocess.preprocessor import VISION_KEYS
 
-logger = logging.getLogger("hf_packing")
+logger = logging.getLogger(__name__)
 
 
 def _as_long(x: Any) -> torch.Tensor:

@@ -1,36 +1,79 @@
-"""Rank balance: the cost model against telemetry's FLOP count, exact splits and schedules on literal inputs, and the
-vision term changing an assignment (negative control: text cost alone balances the image-heavy case worse)."""
+"""Rank balance: a pack's cost against `training_flops` of the batch (the one cost model), exact splits and schedules
+on literal inputs, and the vision term changing an assignment (negative control: text cost alone balances the
+image-heavy case worse)."""
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
-from hf_packing.packing.balance import PARTITIONS, WorkCost, partition, schedule, step_spread
+import pytest
+import torch
+
+from hf_packing.packing.balance import PARTITIONS, WorkCost, model_flops, partition, schedule, step_spread
+from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
+from hf_packing.training.flops import cost_model, training_flops
 
 
 def test_default_cost_is_qwen2_5_vl_7b():
     cost = WorkCost.from_config()
     assert round(1 / cost.attention) == 70_455  # L·d / N: 28 · 3,584 / 7.07e9
-    assert cost.patch == pytest.approx(0.0922, abs=1e-4)  # vision tower (0.65B) per patch over text (7.07B)
+    assert cost.patch == pytest.approx(0.0915, abs=1e-4)  # vision tower (0.68B, windows) per patch over text (7.07B)
     assert round(1 / cost.vision_attention, -3) == 690_000
     assert cost.sample(1000) == pytest.approx(1000 + 1e6 / 70_455, rel=1e-4)
     frozen = WorkCost.from_config(vision_trainable=False)
-    assert frozen.patch == pytest.approx(cost.patch / 3) and frozen.attention == cost.attention
+    flops = model_flops()
+    # frozen: forward only (×1); trained: ×3, less the pixels' gradient the patch embedding does not compute
+    assert 3 * frozen.patch - cost.patch == pytest.approx(2 * flops.vision_embed / WorkCost.unit(flops))
+    assert frozen.attention == cost.attention and frozen.vision_attention == pytest.approx(cost.vision_attention / 3)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
-def test_cost_weights_agree_with_telemetry(model_type):
-    """The config-only count against telemetry's count of the real parameters (biases and norms are the gap)."""
-    from hf_packing.testing.tiny import build_tiny_model
-    from hf_packing.training.telemetry import ModelFlops
+#: per family, two samples: (tokens, vision grids); the Qwen2.5-VL tiny tower's windows are 4×4 patches, so these
+#: frames are whole windows (the packer's window estimate is then exact)
+SAMPLES = {"qwen2_5_vl": [(40, [[1, 8, 12]]), (70, [[2, 4, 8], [1, 12, 4]])]}
+EDGE = [(30, [[1, 6, 10]])]  # Qwen2.5-VL: windows cut at the frame's edge
 
+
+def _batch(samples) -> dict:
+    lengths = [n for n, _ in samples]
+    return {
+        "input_ids": torch.zeros(1, sum(lengths), dtype=torch.long),
+        "cu_seqlens": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
+        "image_grid_thw": torch.tensor([g for _, grids in samples for g in grids]),
+    }
+
+
+def _pack_flops(cost: WorkCost, unit: float, samples) -> float:
+    """What the packer weighs a pack by, in FLOPs: Σ over samples of `WorkCost.sample` from its metadata × unit."""
+    total = 0.0
+    for tokens, grids in samples:
+        patches = sum(t * h * w for t, h, w in grids)
+        squares = sum(t * (h * w) ** 2 for t, h, w in grids)
+        total += cost.sample(tokens, patches, squares)
+    return total * unit
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_packs_cost_is_its_training_flops(model_type, frozen):
+    """The packer's cost of a pack (from metadata and the config alone) × one token's FLOPs = `training_flops` of the
+    batch (from the loaded model; itself against FlopCounterMode in test_flops.py), every family, trained and frozen
+    tower. Negative control: Qwen2.5-VL frames cut into edge windows, where the packer's estimate (whole windows)
+    must be above the exact count, by more than the tolerance."""
     model = build_tiny_model(model_type)
-    flops, cost = ModelFlops.from_model(model), WorkCost.from_config(model.config)
-    text = flops.n_layers * flops.attn_dim / flops.n_text
-    print(model_type, "attention", text, cost.attention, "patch", flops.n_vision / flops.n_text, cost.patch)
-    assert cost.attention == pytest.approx(text, rel=0.01)
-    if model_type == "qwen2_vl":  # no windowed attention (Qwen2.5-VL) or deep-stack mergers (Qwen3-VL) to differ on
-        assert cost.patch == pytest.approx(flops.n_vision / flops.n_text, rel=0.01)
+    model.model.visual.requires_grad_(not frozen)
+    cost = WorkCost.from_config(model.config, vision_trainable=not frozen)
+    counts = model_flops(model.config, vision_trainable=not frozen)
+    assert counts == cost_model(model)  # the meta-built model's weights are the loaded model's
+    samples = SAMPLES.get(model_type, [(40, [[1, 6, 10]]), (70, [[2, 4, 8], [1, 12, 4]])])
+    exact = training_flops(model, _batch(samples))["total"]
+    ours = _pack_flops(cost, WorkCost.unit(counts), samples)
+    print(f"{model_type} frozen={frozen}: packer {ours:.6e} training_flops {exact:.6e}")
+    assert ours == pytest.approx(exact, rel=1e-9)
+    if model_type == "qwen2_5_vl":
+        edge_exact = training_flops(model, _batch(EDGE))["total"]
+        edge = _pack_flops(cost, WorkCost.unit(counts), EDGE)
+        print(f"edge windows: packer {edge:.6e} training_flops {edge_exact:.6e}")
+        assert edge > edge_exact and edge != pytest.approx(edge_exact, rel=1e-3)
 
 
 @pytest.mark.parametrize(

@@ -270,6 +270,45 @@ def test_loss_only_evaluation_skips_the_logits_under_the_patch(tmp_path, tiny_mo
     assert _rel(metrics["eval_token_accuracy"], reference["accuracy"]) < REL
 
 
+def test_compiled_model_is_patched_and_evaluation_skips_the_logits(tmp_path, tiny_model, processor, eval_file):
+    """``TrainingArguments(torch_compile=True)``: the Trainer hands `compute_loss` a compiled module (``_orig_mod``);
+    `is_patched` sees through it, so loss-only evaluation still skips the logits, with the uncompiled model's loss
+    and token accuracy (two packs). Backend ``eager`` (dynamo traces, no codegen). Negative controls: the compiled
+    wrapper's own class carries no patch marker (reading it unwrapped is what makes this pass), and an unpatched
+    compiled model is not patched."""
+    from hf_packing.patches import is_patched, unwrap_model
+
+    packs = list(_packs(eval_file, processor, LENGTHS[0]))[:2]  # dynamo traces each new shape: keep it short
+    expected = _trainer(tmp_path, _load(tiny_model, patched=True), processor, eval_dataset=packs).evaluate()
+    model = _load(tiny_model, patched=True)
+    shapes, compiled = [], []
+    model.register_forward_hook(lambda m, a, out: shapes.append(getattr(out, "logits", None)))
+    trainer = _trainer(
+        tmp_path,
+        model,
+        processor,
+        eval_dataset=packs,
+        torch_compile=True,
+        torch_compile_backend="eager",
+    )
+    loss = trainer.compute_loss
+
+    def compute_loss(model, inputs, **kwargs):
+        compiled.append(model)
+        return loss(model, inputs, **kwargs)
+
+    trainer.compute_loss = compute_loss
+    metrics = trainer.evaluate()
+    assert compiled and all(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in compiled)
+    assert is_patched(compiled[0]) and unwrap_model(compiled[0]) is model
+    assert not hasattr(type(compiled[0]).forward, "hf_packing_original")
+    assert shapes and all(logits is None for logits in shapes)
+    assert _rel(metrics["eval_loss"], expected["eval_loss"]) < REL
+    assert metrics["eval_token_accuracy"] == expected["eval_token_accuracy"]
+    hf_packing.revert_rmpad()
+    assert not is_patched(torch.compile(_load(tiny_model, patched=False), backend="eager"))
+
+
 #: The precision setups docs/evaluation.md lists as verified: (weights' dtype, TrainingArguments(bf16=...): autocast).
 PRECISIONS = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "autocast": (torch.float32, True)}
 

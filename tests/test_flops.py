@@ -18,7 +18,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
-from hf_packing.training.flops import text_flops
+from hf_packing.training.flops import cost_model, text_flops
 from hf_packing.training.telemetry import training_flops
 
 #: an image-heavy pack (each image ≥ 1,000 patches, one with edge windows) and a video pack
@@ -123,3 +123,13 @@ def test_negative_control_full_square_attention_is_off():
     d = config.num_attention_heads * config.head_dim if getattr(config, "head_dim", None) else config.hidden_size
     full_square = text_flops(model, lengths) + 6.0 * config.num_hidden_layers * d * 200**2
     assert full_square != pytest.approx(_text_reference(model, lengths), rel=0.03)
+
+
+def test_linear_attention_term_is_linear_in_tokens():
+    """Qwen3.5: a Gated DeltaNet layer costs 18·S per token (S its state size; a convention, left out of the
+    FlopCounterMode comparison above), so splitting a document changes only the softmax layers' term."""
+    model = build_tiny_model("qwen3_5")
+    counts = cost_model(model)
+    assert (counts.attention_layers, counts.linear_layers, counts.linear_state) == (1, 1, 4 * 16 * 16)
+    one_doc, two_docs = text_flops(model, [1000]), text_flops(model, [500, 500])
+    assert one_doc - two_docs == pytest.approx(6 * counts.attention_dim * (1000**2 - 2 * 500**2))

@@ -1,6 +1,9 @@
-"""PackingTelemetry: exact counts from the model's own call kwargs, the FLOP formula, and a real Trainer run."""
+"""PackingTelemetry: exact counts from the model's own call kwargs, and real Trainer runs: the logged MFU is
+``training_flops(model, batch)["total"]`` (itself against FlopCounterMode in test_flops.py) / time / peak."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -8,8 +11,8 @@ from conftest import load_processor
 
 from hf_packing.collator import VisionCollator
 from hf_packing.testing.tiny import TOKEN_IDS, build_tiny_model
+from hf_packing.training import telemetry as telemetry_module
 from hf_packing.training.telemetry import (
-    ModelFlops,
     PackingTelemetry,
     add_telemetry,
     default_peak_tflops,
@@ -89,47 +92,6 @@ def test_counts_any_collator_and_boundary_kwargs():
     assert (counts["videos"], counts["images"], counts["vision_patches"], counts["forwards"]) == (1, 0, 48, 3)
 
 
-def test_flop_formula_on_literal_numbers():
-    flops = ModelFlops(n_text=1e9, n_vision=1e8, n_layers=10, attn_dim=1000)
-    # documents of 300 and 700 tokens, 400 vision patches
-    expected = 6 * 1e9 * 1000 + 6 * 10 * 1000 * (300**2 + 700**2) + 6 * 1e8 * 400
-    assert flops.flops(real_tokens=1000, sum_sq_lens=300**2 + 700**2, vision_patches=400) == pytest.approx(expected)
-    assert expected == pytest.approx(6.2748e12)
-    frozen = ModelFlops(n_text=1e9, n_vision=1e8, n_layers=10, attn_dim=1000, vision_trainable=False)
-    assert frozen.flops(real_tokens=0, sum_sq_lens=0, vision_patches=400) == pytest.approx(2 * 1e8 * 400)
-
-
-def test_parameter_counts_from_the_model(model):
-    counts = ModelFlops.from_model(model)
-    params = dict(model.named_parameters())
-    text = sum(p.numel() for n, p in params.items() if "visual" not in n and "embed_tokens" not in n)
-    merger = sum(p.numel() for n, p in params.items() if "visual.merger" in n)
-    vision = sum(p.numel() for n, p in params.items() if "visual" in n) - merger + merger / 4
-    assert (counts.n_text, counts.n_vision, counts.n_layers, counts.attn_dim) == (text, vision, 2, 64)
-    assert counts.vision_trainable
-
-
-def test_moe_counts_only_active_experts():
-    moe = build_tiny_model("qwen3_vl_moe")
-    params = dict(moe.named_parameters())
-    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
-    dense = sum(p.numel() for n, p in params.items() if "visual" not in n and "embed_tokens" not in n) - experts
-    assert ModelFlops.from_model(moe).n_text == dense + experts * 2 / 4  # top-2 of 4 experts
-
-
-def test_linear_attention_layers_count_linear_in_tokens():
-    """Qwen3.5: the Gated DeltaNet layer costs 18·S per token (S = its state size), not 6·d·len² like softmax."""
-    counts = ModelFlops.from_model(build_tiny_model("qwen3_5"))
-    assert (counts.n_layers, counts.n_linear_layers, counts.linear_state) == (1, 1, 4 * 16 * 16)
-    no_params = ModelFlops(0, 0, counts.n_layers, counts.attn_dim, True, counts.n_linear_layers, counts.linear_state)
-    one_doc, two_docs = (
-        no_params.flops(real_tokens=t, sum_sq_lens=sq, vision_patches=0)
-        for t, sq in ((1000, 1000**2), (1000, 2 * 500**2))
-    )
-    assert one_doc == pytest.approx(6 * 1 * 256 * 1000**2 + 18 * 1 * 1024 * 1000)
-    assert one_doc - two_docs == pytest.approx(6 * 256 * (1000**2 - 2 * 500**2))  # only softmax depends on len²
-
-
 def test_peak_from_device_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name, peak in [
@@ -157,8 +119,17 @@ class _Packs(torch.utils.data.Dataset):
         return {"skipped": {"overlong": 3, "missing_file": 1}, "leftover_samples": 2}
 
 
+def _args(tmp_path, **overrides):
+    """Two optimizer steps on the CPU, a log after each, no reporters or checkpoints."""
+    from transformers import TrainingArguments
+
+    defaults = dict(per_device_train_batch_size=1, max_steps=2, logging_steps=1, report_to=[], save_strategy="no")
+    defaults.update(use_cpu=True, remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True)
+    return TrainingArguments(output_dir=str(tmp_path), **{**defaults, **overrides})
+
+
 def test_trainer_logs_keys_before_reporters(tmp_path):
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     seen = []
 
@@ -167,18 +138,7 @@ def test_trainer_logs_keys_before_reporters(tmp_path):
             seen.append(dict(logs))
 
     packs = [_samples()[0], _samples()[1]]  # one pack per optimizer step: 14 tokens in 2 rows, then 2 in 1 row
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=1,
-        max_steps=2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    args = _args(tmp_path)
     tiny = build_tiny_model("qwen2_5_vl")
     collator = VisionCollator(load_processor("qwen2_5_vl"), model_config=tiny.config)
     trainer = Trainer(
@@ -202,6 +162,56 @@ def test_trainer_logs_keys_before_reporters(tmp_path):
         assert log["packing/tokens_per_s"] > 0 and 0 < log["packing/mfu"] <= log["packing/mfu_with_vision"]
         assert log["packing/mfu_with_vision"] == log["packing/tflops_per_s_per_device"]
     assert telemetry._handle is None and not tiny._forward_pre_hooks
+
+
+def test_logged_mfu_is_training_flops_over_time_and_peak(tmp_path, monkeypatch):
+    """Two optimizer steps of two micro-batches each (padded rows with images, one cut into edge windows) through a
+    Trainer; the telemetry's clock advances 2.5 s per forward and nothing else, the peak is 3 TFLOP/s. Each logged
+    ``mfu_with_vision`` must be Σ ``training_flops(model, batch)["total"]`` over the step's batches (as the model got
+    them) / 5 s / peak, and ``mfu`` the text part. Negative control: the same quotient with each padded row counted
+    as one document (the mask dropped) misses by more than the tolerance."""
+    from transformers import Trainer
+
+    clock = [100.0]
+    monkeypatch.setattr(telemetry_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    wide = {  # a 4x6-patch image: Qwen2.5-VL's 4x4-patch windows cut at its edge
+        "input_ids": torch.tensor([3, VS, *[IMG] * 6, VE, 4]),
+        "image_grid_thw": torch.tensor([[1, 4, 6]]),
+        "pixel_values": torch.randn(24, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1)),
+    }
+    a, b, c = (sample for pack in _samples() for sample in pack)
+    packs = [[a, b], [c], [wide, c], [b]]
+    args = _args(tmp_path, gradient_accumulation_steps=2)
+    tiny = build_tiny_model("qwen2_5_vl")
+    seen = []
+
+    def record(module, args, kwargs):  # the kwargs the telemetry's own hook counts
+        seen.append({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+        clock[0] += 2.5
+
+    collator = VisionCollator(load_processor("qwen2_5_vl"), model_config=tiny.config)
+    trainer = Trainer(model=tiny, args=args, train_dataset=_Packs(packs), data_collator=collator)
+    telemetry = add_telemetry(trainer, max_length=16, peak_tflops=3.0)
+    tiny.register_forward_pre_hook(record, with_kwargs=True)
+    trainer.train()
+
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and len(seen) == 4 and telemetry.model_flops is not None
+    for log, batches in zip(logs, (seen[:2], seen[2:])):
+        flops = [training_flops(tiny, batch) for batch in batches]
+        total, text = sum(f["total"] for f in flops), sum(f["text"] for f in flops)
+        per_second_and_peak = 1.0 / (2 * 2.5) / (3.0 * 1e12)
+        rows = [training_flops(tiny, {k: v for k, v in b.items() if k != "attention_mask"}) for b in batches]
+        control = sum(f["total"] for f in rows) * per_second_and_peak
+        print(
+            f"mfu_with_vision {log['packing/mfu_with_vision']:.6e}, expected {total * per_second_and_peak:.6e}, "
+            f"rows as documents {control:.6e}"
+        )
+        assert log["packing/mfu_with_vision"] == pytest.approx(total * per_second_and_peak, rel=1e-9)
+        assert log["packing/mfu"] == pytest.approx(text * per_second_and_peak, rel=1e-9)
+        assert log["packing/tflops_per_s_per_device"] == pytest.approx(total / (2 * 2.5) / 1e12, rel=1e-9)
+        assert control != pytest.approx(log["packing/mfu_with_vision"], rel=1e-3)
+    assert any(b.get("image_grid_thw") is not None and b["image_grid_thw"][0].tolist() == [1, 4, 6] for b in seen)
 
 
 def test_per_source_sums_are_kept_only_when_every_training_forward_gave_them():

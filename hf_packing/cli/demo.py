@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import PackingConfig
 
-logger = logging.getLogger("hf_packing")
+logger = logging.getLogger(__name__)
 
 
 #: the demo's packing settings where they differ from PackingConfig's defaults: short packs for a CPU run

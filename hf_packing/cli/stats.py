@@ -28,7 +28,7 @@ from ..preprocess.errors import SampleError, SkipCounter
 from ..preprocess.formats import FEATURES, source_formats
 from ..preprocess.preprocessor import Preprocessor
 
-logger = logging.getLogger("hf_packing")
+logger = logging.getLogger(__name__)
 
 
 def collect_metadata(dataset, preprocessor: Preprocessor, *, show_progress: bool = True):

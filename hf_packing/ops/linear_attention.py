@@ -65,12 +65,6 @@ def resolve_linear_backend(name: str, x: torch.Tensor) -> str:
     return name
 
 
-def _seqlens(seqs: PackedSequences) -> list[int]:
-    if not seqs.seqlens:
-        seqs.seqlens = (seqs.cu_seqlens[1:] - seqs.cu_seqlens[:-1]).tolist()
-    return seqs.seqlens
-
-
 def _cu_seqlens_int64(seqs: PackedSequences, device: torch.device) -> torch.Tensor:
     """int64 ``cu_seqlens`` on ``device``, made once per forward: FLA caches its chunk indices by tensor identity,
     so every linear layer passing the same tensor costs one host sync in total, not one per layer."""
@@ -97,7 +91,7 @@ def reference_causal_conv1d(
     """
     if torch.compiler.is_compiling():
         return masked_causal_conv1d(x, weight, bias, activation, seqs)
-    pieces = x.split(_seqlens(seqs), dim=-1)
+    pieces = x.split(seqs.host_seqlens(), dim=-1)
     return torch.cat([torch_fn(piece, weight, bias, activation=activation) for piece in pieces], dim=-1)
 
 
@@ -163,7 +157,7 @@ def reference_gated_delta_rule(
     if torch.compiler.is_compiling() and _SCAN is not None:
         return scan_gated_delta_rule(q, k, v, g, beta, seqs, use_qk_l2norm=use_qk_l2norm)
     outs = []
-    for qs, ks, vs, gs, bs in zip(*(t.split(_seqlens(seqs), dim=1) for t in (q, k, v, g, beta))):
+    for qs, ks, vs, gs, bs in zip(*(t.split(seqs.host_seqlens(), dim=1) for t in (q, k, v, g, beta))):
         out, _ = torch_fn(
             qs,
             ks,

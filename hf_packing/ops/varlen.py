@@ -51,6 +51,34 @@ class PackedSequences:
         cu[1:] = torch.tensor(seqlens, dtype=torch.int32).cumsum(0)
         return cls(cu_seqlens=cu.to(device), max_seqlen=max(seqlens, default=0), seqlens=list(seqlens))
 
+    def host_seqlens(self) -> list[int]:
+        """``seqlens``, read from ``cu_seqlens`` once (one device sync) when the caller did not give them."""
+        if not self.seqlens:
+            self.seqlens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        return self.seqlens
+
+
+def vision_seqlens(grids: list[list[int]], *, merge: int = 1, window: int = 0) -> tuple[list[int], ...]:
+    """Host lengths of a vision tower's attention units for items ``grids`` (``[t, h, w]`` patches each): one
+    sequence per frame (``h·w`` patches) and, with ``window``, also Qwen2.5-VL's windows as transformers'
+    ``get_vision_window_index`` cuts each frame: row-major over windows of ``window × window`` merged patches
+    (``window_size / patch_size / merge``), the last row and column of a frame cut to what is left, each window
+    ``rows · cols · merge²`` patches. One list per distinct boundary set: ``(frames,)``, or ``(frames, windows)``.
+    """
+    frames = [h * w for t, h, w in grids for _ in range(t)]
+    if not window or not frames:
+        return (frames,)
+    windows = []
+    for t, h, w in grids:
+        rows, cols = h // merge, w // merge
+        spans = [
+            min(window, rows - i) * min(window, cols - j) * merge**2
+            for i in range(0, rows, window)
+            for j in range(0, cols, window)
+        ]
+        windows += spans * t
+    return (frames,) if windows == frames else (frames, windows)
+
 
 def validate_attention_mask(attention_mask: torch.Tensor) -> list[int]:
     """Check a 2-D padding mask and return each row's real length.
@@ -146,12 +174,6 @@ def create_block_causal_mask(seqlens: list[int], *, causal: bool = True, device=
 # --------------------------------------------------------------------------------------------------- backends
 
 
-def _host_seqlens(seqs: PackedSequences) -> list[int]:
-    if not seqs.seqlens:
-        seqs.seqlens = (seqs.cu_seqlens[1:] - seqs.cu_seqlens[:-1]).tolist()
-    return seqs.seqlens
-
-
 def _common_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q / k / v in one promoted dtype, as SDPA needs them (under autocast SDPA casts them itself)."""
     if q.dtype == k.dtype == v.dtype or torch.is_autocast_enabled(q.device.type):
@@ -176,7 +198,7 @@ def reference_varlen(
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     outs = []
-    for qs, ks, vs in zip(*(t.split(_host_seqlens(seqs), dim=0) for t in (q, k, v))):
+    for qs, ks, vs in zip(*(t.split(seqs.host_seqlens(), dim=0) for t in (q, k, v))):
         qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs))  # (1, H, n, D)
         mask = None
         if window is not None and causal:

@@ -14,52 +14,87 @@ mixes: 1.023-1.123 for the former greedy by text cost over consecutive packs, 1.
 cheapest (~6 µs a pack with the sort). Without the vision terms the same window scores 1.023-1.074.
 
 Cost of a sample with n tokens, P = Σ t·h·w vision patches and Q = Σ t·(h·w)² (attention is per frame of each image
-or video), in units of one text token's dense work (6·N FLOPs, N the text parameters per token, as telemetry.py)::
+or video), in units of one text token's dense work (6·N FLOPs, + 18·L_lin·S on Qwen3.5; `WorkCost.unit`)::
 
     n  +  a·n²  +  b·P  +  c·Q
-    a = L·d / N                          text attention (6·L·d·n², causal) over dense work
-    b = k·N_v / (6·N)                    vision tower per patch (+ windowed attention), k = 6 trained / 2 frozen
-    c = 2k·L_v·d_v / (6·N)               full vision attention, not causal (twice the causal count)
 
-For Qwen2.5-VL-7B (the default without a config): a = 1/70,455, b = 0.092 (an image token, 4 patches, costs 1.37
-text tokens), c = 1/690,000 (a 2,000-token image's attention adds 93 tokens' worth). The text weight agrees with
-telemetry's parameter count to 0.6% on the tiny models, the vision weight to 1% (Qwen2-VL; tests/test_balance.py).
+Each weight is a term of the one cost model (`hf_packing.ops.flops.ModelFlops`, where the formula is) over the unit,
+and `model_flops` counts the weights of the config's model built on the meta device, as ``training_flops`` counts a
+loaded model's: a pack's cost × unit is ``training_flops`` of its batch (tests/test_balance.py), except in
+Qwen2.5-VL's windowed blocks, where the packer (without the grids) counts every patch in a whole window (exact when
+the frames are whole windows, above otherwise). For Qwen2.5-VL-7B (the default without a config):
+a = 1/70,455, b = 0.0915 (an image token, 4 patches, costs 1.37 text tokens), c = 1/690,000 (a 2,000-token image's
+attention adds 93 tokens' worth).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["PARTITIONS", "WorkCost", "partition", "schedule", "step_spread"]
+import torch
+
+from ..ops.flops import ModelFlops
+
+__all__ = ["PARTITIONS", "WorkCost", "model_flops", "partition", "schedule", "step_spread"]
 
 PARTITIONS: tuple[str, ...] = ("kk", "lpt", "snake", "lpt_swap")
-#: Qwen2.5-VL-7B-Instruct's config (the parts the cost needs): the default when no model config is given
-_QWEN2_5_VL_7B = SimpleNamespace(
-    model_type="qwen2_5_vl",
-    text_config=SimpleNamespace(
-        hidden_size=3584,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        head_dim=128,
-        intermediate_size=18944,
-        vocab_size=152064,
-    ),
-    vision_config=SimpleNamespace(
-        hidden_size=1280,
-        intermediate_size=3420,
-        depth=32,
-        out_hidden_size=3584,
-        spatial_merge_size=2,
-        patch_size=14,
-        window_size=112,
-        fullatt_block_indexes=[7, 15, 23, 31],
-    ),
-)
+#: Qwen2.5-VL-7B-Instruct's config (what the weights' shapes need): the default when no model config is given
+_QWEN2_5_VL_7B = {
+    "text_config": {
+        "hidden_size": 3584,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "intermediate_size": 18944,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "depth": 32,
+        "out_hidden_size": 3584,
+        "spatial_merge_size": 2,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+    },
+}
+
+
+@functools.cache
+def _default_config() -> Any:
+    from transformers import Qwen2_5_VLConfig
+
+    return Qwen2_5_VLConfig(**_QWEN2_5_VL_7B)
+
+
+def model_flops(config: Any = None, *, vision_trainable: bool = True) -> ModelFlops:
+    """The cost model (`hf_packing.ops.flops.ModelFlops`) of the model of ``config`` (Qwen2.5-VL-7B's without one):
+    the model is built on the meta device (no memory; 0.1 s for 7B) and its weights counted as ``training_flops``
+    counts a loaded model's, so the two agree exactly; any family transformers builds from a config needs no edit."""
+    config = _default_config() if config is None else config
+    key = (type(config), config.to_json_string(use_diff=False), vision_trainable)
+    if key not in _COUNTED:
+        from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+        config = copy.deepcopy(config)
+        config._attn_implementation = "eager"  # the shapes only: a flash_attention_2 config builds without flash-attn
+        with torch.device("meta"):
+            model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)](config)
+        _COUNTED[key] = dataclasses.replace(ModelFlops.from_model(model), vision_trainable=vision_trainable)
+    return _COUNTED[key]
+
+
+_COUNTED: dict[tuple, ModelFlops] = {}
 
 
 @dataclass(frozen=True)
@@ -79,37 +114,22 @@ class WorkCost:
             config (`PretrainedConfig`, *optional*): the model's config, with `text_config` and `vision_config`.
             vision_trainable (`bool`, defaults to `True`): `False` counts the vision tower forward only (frozen).
         """
-        config = _QWEN2_5_VL_7B if config is None else config
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config.text_config
-        h, layers, heads = text.hidden_size, text.num_hidden_layers, text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or h // heads
-        kv = getattr(text, "num_key_value_heads", None) or heads
-        experts = getattr(text, "num_experts", None)
-        shared = getattr(text, "shared_expert_intermediate_size", 0) or 0
-        # MoE: only the active experts (and a shared one) do work for a token
-        mlp = text.num_experts_per_tok * text.moe_intermediate_size + shared if experts else text.intermediate_size
-        n_text = layers * (h * head_dim * (2 * heads + 2 * kv) + 3 * h * mlp) + h * text.vocab_size
-        softmax_layers = layers - list(getattr(text, "layer_types", None) or []).count("linear_attention")
-        k = 6.0 if vision_trainable else 2.0
-        v = getattr(config, "vision_config", None)
-        patch = vision_attention = 0.0
-        if v is not None:
-            dim = getattr(v, "embed_dim", None) or v.hidden_size  # Qwen2-VL: embed_dim; hidden_size is its output
-            out = getattr(v, "out_hidden_size", None) or v.hidden_size
-            inter = getattr(v, "intermediate_size", None) or int(dim * getattr(v, "mlp_ratio", 4))
-            gated = config.model_type.startswith("qwen2_5")  # SwiGLU: three matrices; Qwen2-VL / Qwen3-VL: two
-            merge = v.spatial_merge_size
-            full = getattr(v, "fullatt_block_indexes", None)
-            full_layers = len(full) if full is not None else v.depth
-            window = (getattr(v, "window_size", 0) or 0) // v.patch_size  # Qwen2.5-VL: patches per window side
-            embed = getattr(v, "in_channels", 3) * getattr(v, "temporal_patch_size", 2) * v.patch_size**2 * dim
-            merger = dim * dim * merge**2 + dim * out  # runs on merged tokens: per patch, its weights / merge²
-            deepstack = len(getattr(v, "deepstack_visual_indexes", None) or []) * merger  # Qwen3-VL: more mergers
-            per_patch = v.depth * (4 * dim * dim + (3 if gated else 2) * dim * inter) + embed + merger + deepstack
-            per_patch += 2 * (v.depth - full_layers) * 2 * dim * window**2  # windowed attention: linear in patches
-            patch = k * per_patch / (6.0 * n_text)
-            vision_attention = 2 * k * full_layers * dim / (6.0 * n_text)
-        return cls(softmax_layers * heads * head_dim / n_text, patch, vision_attention)
+        return cls.from_flops(model_flops(config, vision_trainable=vision_trainable))
+
+    @classmethod
+    def from_flops(cls, flops: ModelFlops) -> WorkCost:
+        """The weights of the cost model ``flops``: each term's FLOPs over one text token's (`unit`)."""
+        unit = cls.unit(flops)
+        return cls(
+            attention=flops.text(tokens=0, sum_sq_lens=1) / unit,
+            patch=flops.vision(patches=1, frame_sq=0) / unit,  # + the windowed blocks' estimate (module docstring)
+            vision_attention=flops.vision(patches=0, frame_sq=1, window_sq=0) / unit,
+        )
+
+    @staticmethod
+    def unit(flops: ModelFlops) -> float:
+        """FLOPs of one text token's dense work, the unit of the weights: 6·N (+ 18·L_lin·S on Qwen3.5)."""
+        return flops.text(tokens=1, sum_sq_lens=0)
 
     def sample(self, tokens: int, patches: int = 0, vision_sq: int = 0) -> float:
         """The cost of one sample (`tokens` after truncation, `patches` = Σ t·h·w, `vision_sq` = Σ t·(h·w)²)."""

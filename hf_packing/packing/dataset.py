@@ -76,7 +76,7 @@ from .source_ids import SourceTagger
 from .stats import PADDED_BATCH, PackStats
 
 __all__ = ["PackStats", "PackedDataset", "PackingConfig", "pack_dataset"]
-logger = logging.getLogger("hf_packing")
+logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 5  # 3: scheduled steps and cost weights; 4: video skip reasons and counters in the PackStats row;
 # 5: a mix without weights reads every row (stopping_strategy=None); closed_by, no unexpected_error in PackStats; rows

@@ -12,6 +12,10 @@ replaced by boundary-aware ones (see `_linear`). Once for all families it wraps 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
+
+import torch
+from accelerate.utils import extract_model_from_parallel
 
 from .. import _compat
 from ..ops.linear_attention import LINEAR_BACKENDS
@@ -33,6 +37,7 @@ __all__ = [
     "revert_rmpad",
     "sequence_parallel_state",
     "supported_model_types",
+    "unwrap_model",
 ]
 
 _PATCHES = PatchSet()
@@ -192,9 +197,20 @@ def is_applied(model_type: str) -> bool:
     return _PATCHES.is_applied(model_type)
 
 
+def unwrap_model(model: Any, *, peft: bool = True) -> Any:
+    """The model under its wrappers, in any nesting: ``torch.compile``'s ``_orig_mod``, DDP / FSDP / DeepSpeed
+    (accelerate's ``extract_model_from_parallel``) and, with ``peft``, PEFT's ``get_base_model()``. The one unwrap
+    of the package: here, below the Trainer side, because `is_patched` needs it."""
+    while isinstance(model, torch.nn.Module):
+        inner = extract_model_from_parallel(model, keep_torch_compile=False)
+        if peft and hasattr(inner, "get_base_model"):
+            inner = inner.get_base_model()
+        if inner is model:
+            break
+        model = inner
+    return model
+
+
 def is_patched(model) -> bool:
-    """Whether ``model`` (or the model inside a DDP / PEFT wrapper) runs the padding-free forward."""
-    model = getattr(model, "module", model)  # DDP / accelerate wrappers
-    if hasattr(model, "get_base_model"):  # PEFT
-        model = model.get_base_model()
-    return hasattr(type(model).forward, "hf_packing_original")
+    """Whether ``model`` (or the model inside compile / DDP / FSDP / PEFT wrappers) runs the padding-free forward."""
+    return hasattr(type(unwrap_model(model)).forward, "hf_packing_original")

@@ -24,7 +24,7 @@ import torch
 from ..ops.varlen import PackedSequences, effective_backend, varlen_attention
 from ..parallel.comm import SP_KWARG, ulysses_attention
 
-logger = logging.getLogger("hf_packing")
+logger = logging.getLogger(__name__)
 
 #: kwarg that carries the text stream's `PackedSequences` from the patched forward down to attention.
 PACKED_KWARG = "hf_packing_seqs"

@@ -29,7 +29,7 @@ from ..parallel.linear import ulysses_causal_conv1d, ulysses_gated_delta_rule
 from ._attention import PACKED_KWARG, PackedForward, missing_boundaries_error
 from ._patcher import Patch
 
-logger = logging.getLogger("hf_packing")
+logger = logging.getLogger(__name__)
 
 
 def _log_backend_once(logged: set[str], kind: str, backend: str, x) -> None:

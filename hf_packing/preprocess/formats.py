@@ -26,14 +26,14 @@ A source that gives no sample over a full pass raises [`~hf_packing.packing.stat
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from transformers.utils import logging
 
 from .errors import SampleError
 
@@ -54,7 +54,12 @@ _ROLES = {  # ShareGPT / LLaVA speakers (`from`)
     **{"observation": "tool", "tool": "tool", "function_call": "assistant"},
 }
 _TAGS = re.compile(r"(<image>|<video>)")
-logger = logging.get_logger("hf_packing")
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
 
 
 # ------------------------------------------------------------------------------------------------ per source
@@ -388,7 +393,7 @@ def row_fps(
     if len(rates) != num_videos or not all(r is None or (isinstance(r, (int, float)) and r > 0) for r in rates):
         raise SampleError("bad_row", f"fps must be a positive number or one per video ({num_videos}), got {value!r}")
     if any(r is None and f for r, f in zip(rates, [True] * num_videos if frames is None else frames)):
-        logger.warning_once(
+        _warn_once(
             "video frames without fps: the processor assumes 24 fps (Qwen2.5-VL second_per_grid_ts, "
             "Qwen3-VL timestamps), wrong for frames taken seconds apart; give rows an 'fps' or pass "
             "fps="

@@ -42,7 +42,7 @@ from .templates import ChatRenderer
 from .video import VideoInfo, VideoLoader, is_file_ref
 from .video_sampling import VideoSampling
 
-logger = logging.getLogger("hf_packing")
+logger = logging.getLogger(__name__)
 
 
 #: a row's planning metadata as columns (`hf_packing.packing.length_index`): tokens, images, Σ t·h·w, Σ t·(h·w)²,

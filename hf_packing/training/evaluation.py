@@ -53,10 +53,10 @@ import torch
 
 from ..ops.loss import IGNORE_INDEX, CrossEntropySum, counting_sources, recording_token_counts
 from ..packing.source_ids import per_source_metrics
-from ..patches import is_patched
-from .unwrap import base_model, packed_dataset
+from ..patches import is_patched, unwrap_model
+from .unwrap import packed_dataset
 
-logger = logging.getLogger("hf_packing")
+logger = logging.getLogger(__name__)
 
 
 def _aux_term(model: Any, outputs: Any) -> torch.Tensor | float:
@@ -64,7 +64,7 @@ def _aux_term(model: Any, outputs: Any) -> torch.Tensor | float:
     aux = getattr(outputs, "aux_loss", None)
     if aux is None:
         return 0.0
-    config = base_model(model).config
+    config = unwrap_model(model).config
     coef = getattr(config.get_text_config(), "router_aux_loss_coef", None)
     coef = coef if coef is not None else getattr(config, "router_aux_loss_coef", 0.0)
     return coef * aux.detach()

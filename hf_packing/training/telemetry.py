@@ -16,30 +16,15 @@ and adds ``packing/*`` keys to the ``logs`` dict:
     mfu, mfu_with_vision      (with a peak) the language model's FLOPs only, as lmms-engine reports MFU; and text +
                               vision, comparable with Megatron-Bridge's
 
-FLOPs per optimizer step (forward + backward, the usual 6·N·T, attention counted per document)::
-
-    6·N·T  +  6·L·d·Σ_i len_i²  +  18·L_lin·S·T  +  vision
-
-The vision term is exact, per image and frame (`hf_packing.training.flops.vision_flops`, also public as
-``training_flops(model, batch)`` here): patch embedding, blocks, full and windowed attention, merger and
-DeepStack mergers on merged tokens, frozen tower = forward only; the grids are read once at log time. Without a
-Qwen-VL tower it falls back to c_v·N_v·P:
-
-    N    text parameters without the input-embedding lookup (decoder layers, final norm, the LM head
-         matmul d·V even when tied); MoE experts count k/E of their weights (only the active ones)
-    T    real tokens; len_i each document's length (from cu_seqlens / cu_seq_lens_q, else a row's
-         attention_mask sum, else the row); L softmax-attention layers; d = heads·head_dim
-    6·L·d·len²  QKᵀ and AV: 2·2·len²·d forward per layer, ×3 with backward, ½ for the causal mask
-    L_lin, S  Qwen3.5's Gated DeltaNet layers (``layer_types`` "linear_attention", not in L) and their recurrent
-         state size S = value heads·d_k·d_v. Linear in T: per token the state is read by k, written (k ⊗ δ) and
-         read by q, 3·2·S forward, ×3 with backward. Model FLOPs, as for softmax attention: the chunked kernel's
-         intra-chunk products (~2·64·(d_k+d_v) per head and token) are the algorithm's, not counted
-    N_v  vision-tower parameters per patch (merger weights / merge², as it runs on merged tokens)
-    P    vision patches Σ t·h·w of image_grid_thw and video_grid_thw; c_v = 6, or 2 if the tower is frozen
-         (forward only). A dummy_vision image is not counted.
-
-MFU = FLOPs / (seconds × peak × world_size); peak from ``peak_tflops`` or the CUDA device name (H100 /
-H200 SXM bf16 dense 989 TFLOP/s, A100 312), otherwise MFU is omitted.
+FLOPs per optimizer step (forward + backward) are ``training_flops(model, batch)["total"]`` summed over the step's
+micro-batches (`hf_packing.training.flops`, also public here), from the one cost model (`hf_packing.ops.flops`, where
+the formula is): the model's weights are counted once when training begins, the hook counts real tokens T and
+Σ len² per document (from cu_seqlens / cu_seq_lens_q, else a row's attention_mask sum, else the row) on the device,
+and the grids (image_grid_thw, video_grid_thw) are read once at log time for the vision term, exact per frame and
+window. ``mfu`` = text FLOPs, ``mfu_with_vision`` = text + vision FLOPs, each / (seconds × peak × world_size); the
+test holds the logged MFU equal to that quotient. A module without a transformers config logs no FLOP keys. The
+peak comes from ``peak_tflops`` or the CUDA device name (H100 / H200 SXM bf16 dense 989 TFLOP/s, A100 312), otherwise
+MFU is omitted.
 
 Under sequence parallelism (``apply_rmpad(sequence_parallel_size=P)``) the ``P`` ranks of a group see the same
 pack, so every count is divided by ``P`` after the sum over ranks (tokens are counted once) and these keys join:
@@ -71,16 +56,16 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
+from ..ops.flops import ModelFlops
 from ..ops.loss import counting_sources, recording_token_counts
 from ..packing.source_ids import per_source_metrics
 from ..patches import sequence_parallel
-from .flops import training_flops, vision_flops
+from .flops import cost_model, training_flops
 
 __all__ = ["ModelFlops", "PackingTelemetry", "add_telemetry", "default_peak_tflops", "training_flops"]
 
@@ -105,58 +90,6 @@ def default_peak_tflops() -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
-
-
-@dataclass(frozen=True)
-class ModelFlops:
-    """What the FLOP formula needs from a model (see the module docstring)."""
-
-    n_text: float
-    n_vision: float
-    n_layers: int
-    attn_dim: int
-    vision_trainable: bool = True
-    n_linear_layers: int = 0
-    linear_state: int = 0
-
-    @classmethod
-    def from_model(cls, model: torch.nn.Module) -> ModelFlops:
-        config = getattr(model, "config", None)
-        if hasattr(model, "get_base_model"):  # PEFT
-            config = model.get_base_model().config
-        text = config.get_text_config()
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", 1) or 1
-        experts, active = getattr(text, "num_experts", None), getattr(text, "num_experts_per_tok", None)
-        n_text = n_vision = 0.0
-        vision_trainable = False
-        for name, p in model.named_parameters(remove_duplicate=False):  # a tied lm_head still costs a matmul
-            numel = float(getattr(p, "ds_numel", p.numel()))  # DeepSpeed ZeRO-3 partitions hold numel 0
-            if ".visual." in f".{name}":
-                if "pos_embed" in name:
-                    continue
-                n_vision += numel / merge**2 if ".merger" in name else numel
-                vision_trainable |= p.requires_grad
-            elif "embed_tokens" not in name:
-                n_text += numel * active / experts if experts and active and ".experts." in name else numel
-        n_linear = list(getattr(text, "layer_types", None) or []).count("linear_attention")
-        state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim if n_linear else 0
-        return cls(
-            n_text, n_vision, text.num_hidden_layers - n_linear, heads * head_dim, vision_trainable, n_linear, state
-        )
-
-    def text_flops(self, *, real_tokens: float, sum_sq_lens: float) -> float:
-        """Training FLOPs (forward + backward) of the language model for the given counts."""
-        attention = 6.0 * self.n_layers * self.attn_dim * sum_sq_lens
-        attention += 18.0 * self.n_linear_layers * self.linear_state * real_tokens
-        return 6.0 * self.n_text * real_tokens + attention
-
-    def flops(self, *, real_tokens: float, sum_sq_lens: float, vision_patches: float) -> float:
-        """Training FLOPs (forward + backward) for the given counts; the vision term is the per-patch estimate
-        (`hf_packing.training.flops.vision_flops` is exact: the telemetry uses it when it has the model)."""
-        vision = (6.0 if self.vision_trainable else 2.0) * self.n_vision * vision_patches
-        return self.text_flops(real_tokens=real_tokens, sum_sq_lens=sum_sq_lens) + vision
 
 
 def _total(value: Any) -> float:
@@ -316,14 +249,9 @@ class PackingTelemetry(TrainerCallback):
 
     def _vision_flops(self) -> float:
         """Exact vision-tower FLOPs of the grids seen since the last log (one host read for all of them)."""
-        model = getattr(self, "_model", None)
-        if model is None or not self._grids:
+        if self.model_flops is None or not self._grids:
             return 0.0
-        grids = torch.cat([g.to(self._grids[0].device) for g in self._grids]).tolist()
-        try:
-            return vision_flops(model, grids)
-        except (AttributeError, TypeError):  # not a Qwen-VL tower: the per-patch estimate is used
-            return 0.0
+        return self.model_flops.vision_of(torch.cat([g.to(self._grids[0].device) for g in self._grids]).tolist())
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def attach(self, model: torch.nn.Module) -> None:
@@ -332,11 +260,10 @@ class PackingTelemetry(TrainerCallback):
         self._handle = model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
         if self.sources:
             self._post_handle = model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
-        self._model = model
         if self.model_flops is None:
             try:
-                self.model_flops = ModelFlops.from_model(model)
-            except (AttributeError, TypeError, ZeroDivisionError):  # not a transformers VLM: no FLOP keys
+                self.model_flops = cost_model(model)
+            except (AttributeError, TypeError, ZeroDivisionError):  # not a transformers (Qwen-VL) model: no FLOP keys
                 self.model_flops = None
         self._reset()
 
@@ -399,11 +326,9 @@ class PackingTelemetry(TrainerCallback):
             new[f"{key}_per_step"] = c[key] / steps
         if c["has_stats"]:
             new["dropped_samples"] = c["dropped"]
-        if self.model_flops is not None:
-            text = self.model_flops.text_flops(real_tokens=c["real_tokens"], sum_sq_lens=c["sum_sq_lens"])
-            vision = c["vision_flops"] or (
-                self.model_flops.flops(real_tokens=0, sum_sq_lens=0, vision_patches=c["vision_patches"])
-            )
+        if self.model_flops is not None:  # the counts of `training_flops`, summed over the window's micro-batches
+            text = self.model_flops.text(tokens=c["real_tokens"], sum_sq_lens=c["sum_sq_lens"])
+            vision = c["vision_flops"]
             per_device = 1.0 / seconds / self._world / 1e12
             new["tflops_per_s_per_device"] = (text + vision) * per_device
             if self.peak_tflops:

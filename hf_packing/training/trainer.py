@@ -44,10 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from ..packing.dataset import PackedDataset
+from ..patches import unwrap_model
 from ..patches.prepared import mark_prepared, training_ended, training_started
-from .unwrap import base_model, packed_dataset
+from .unwrap import packed_dataset
 
-logger = logging.getLogger("hf_packing")
+logger = logging.getLogger(__name__)
 
 
 def keep_rank_packs(trainer: Any) -> Any:
@@ -106,7 +107,7 @@ def reload_checkpoints_with_key_conversion(trainer: Any) -> Any:
 
     def _load_from_checkpoint(resume_from_checkpoint: str, model: Any = None) -> None:
         target = model if model is not None else trainer.model
-        target = getattr(target, "module", target)
+        target = unwrap_model(target, peft=False)  # an adapter checkpoint keeps the Trainer's own load
         checkpoint = Path(resume_from_checkpoint)
         exact = _has_full_weights(target, checkpoint)
         if exact:  # its key lists describe the non-strict load that the exact reload below replaces
@@ -205,7 +206,7 @@ def check_setup(trainer: Any, telemetry_kwargs: dict[str, Any] | None = None) ->
     from ..preprocess.checks import check_processor, is_tokenizer
 
     packs = _packed_sets(trainer)
-    model = None if trainer.model is None else base_model(trainer.model)
+    model = None if trainer.model is None else unwrap_model(trainer.model)
     config = getattr(model, "config", None)
     collators = _collators(trainer.data_collator)
     if packs and not any(isinstance(c, VisionCollator) for c in collators):
