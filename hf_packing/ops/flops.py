@@ -88,11 +88,11 @@ class ModelFlops:
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> ModelFlops:
         """Counts of a transformers model (unwrapped: no DDP / PEFT / compile wrapper), text-only or Qwen-VL."""
-        config = model.config
+        config: Any = model.config  # a transformers PretrainedConfig (ops import no transformers)
         text = config.get_text_config()
         heads = text.num_attention_heads
         experts, active = getattr(text, "num_experts", None), getattr(text, "num_experts_per_tok", None)
-        tower = getattr(getattr(model, "model", model), "visual", None) or getattr(model, "visual", None)
+        tower: Any = getattr(getattr(model, "model", model), "visual", None) or getattr(model, "visual", None)
         in_tower = {id(p) for p in tower.parameters()} if tower is not None else set()
         decoder = ((n, p) for n, p in model.named_parameters() if id(p) not in in_tower)
         layer_types = list(getattr(text, "layer_types", None) or [])
@@ -107,7 +107,7 @@ class ModelFlops:
         )
         if tower is None:
             return counts
-        vc = config.vision_config
+        vc: Any = config.vision_config
         embed = _matmul_numel(tower.patch_embed.named_parameters())
         mergers = sum(_matmul_numel(m.named_parameters()) for n, m in tower.named_children() if "merger" in n)
         fields = vc.to_dict()  # getattr(vc, "window_size", None) raises on Qwen3-VL's per-layer config in 5.23

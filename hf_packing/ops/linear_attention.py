@@ -27,6 +27,7 @@ against 4e-8 with the boundaries. Two backends, one signature per op:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ def _cu_seqlens_int64(seqs: PackedSequences, device: torch.device) -> torch.Tens
     cached = getattr(seqs, "_cu_seqlens_int64", None)
     if cached is None or cached.device != device:
         cached = seqs.cu_seqlens.to(device=device, dtype=torch.int64).contiguous()
-        seqs._cu_seqlens_int64 = cached
+        setattr(seqs, "_cu_seqlens_int64", cached)  # noqa: B010 - a per-forward cache, not a field of the record
     return cached
 
 
@@ -102,7 +103,7 @@ def masked_causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSe
     width, total = weight.shape[-1], x.shape[-1]
     _, offsets = token_sequences(seqs, total, x.device)
     padded = torch.nn.functional.pad(x.to(weight.dtype), (width - 1, 0))
-    out = bias[None, :, None].expand(1, -1, total) if bias is not None else 0
+    out: Any = bias[None, :, None].expand(1, -1, total) if bias is not None else 0
     for tap in range(width):  # W is the layer's kernel size (4): a fixed, short loop
         back = width - 1 - tap
         out = out + weight[None, :, tap, None] * padded[..., tap : tap + total] * (offsets >= back)
@@ -113,12 +114,20 @@ def masked_causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSe
     return out.to(x.dtype)
 
 
+def _fla() -> Any:
+    """FLA's varlen ops; only the ``fla`` backend calls them, which `resolve_linear_backend` picks when they load."""
+    ops = _compat.fla_linear_ops()
+    if ops is None:
+        raise ValueError("linear_backend='fla' needs flash-linear-attention: pip install 'hf_packing[linear]'")
+    return ops
+
+
 def fla_causal_conv1d(
     x, weight, bias, activation: str | None, seqs: PackedSequences, *, torch_fn: Callable
 ) -> torch.Tensor:
     """FLA's varlen ``causal_conv1d`` on ``(1, T, C)`` (x arrives as transformers' ``(1, C, T)`` transpose view,
     so this is no copy); same arguments and result as `reference_causal_conv1d`."""
-    ops = _compat.fla_linear_ops()
+    ops = _fla()
     y, _ = ops.causal_conv1d(
         x.transpose(1, 2).contiguous(),
         weight,
@@ -212,7 +221,7 @@ def fla_gated_delta_rule(
 ) -> torch.Tensor:
     """FLA's ``chunk_gated_delta_rule`` with ``cu_seqlens``: q/k/v in one dtype (the autocast dtype under
     autocast), contiguous; g and beta as given (g is fp32 in transformers' layer)."""
-    ops = _compat.fla_linear_ops()
+    ops = _fla()
     dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype
     q, k, v = (t.to(dtype).contiguous() for t in (q, k, v))
     out, _ = ops.chunk_gated_delta_rule(

@@ -91,7 +91,7 @@ def _chunk_ce_sum(
     logits = head(hidden).float()
     targets = targets.to(logits.device)  # device_map: the head may live on another device than the last layer
     first = chunk not in correct  # checkpointing recomputes this chunk in backward; count it once
-    if sources is None:
+    if sources is None or per_source is None:
         if first and count_correct:
             with torch.no_grad():
                 correct[chunk] = (logits.argmax(-1) == targets).sum()
@@ -137,9 +137,10 @@ def recording_token_counts() -> Iterator[list[CrossEntropySum]]:
     Evaluation reads the counts here, not from the output object: wrappers rebuild the output and drop attributes
     that are not fields (accelerate's ``convert_outputs_to_fp32`` under ``bf16=True`` / ``mixed_precision: bf16``).
     """
-    token = _RECORDED.set([])
+    recorded: list[CrossEntropySum] = []
+    token = _RECORDED.set(recorded)
     try:
-        yield _RECORDED.get()
+        yield recorded
     finally:
         _RECORDED.reset(token)
 
@@ -271,7 +272,8 @@ def linear_cross_entropy_sum(
             )
         total = liger(hidden, head.weight, targets, bias=head.bias, ignore_index=IGNORE_INDEX, reduction="sum")
         return CrossEntropySum(total, n, None)
-    rows = chunk_size or max(256, CHUNK_ELEMENTS // (getattr(head, "out_features", None) or head.weight.shape[0]))
+    vocab: int = getattr(head, "out_features", None) or head.get_parameter("weight").shape[0]
+    rows = chunk_size or max(256, CHUNK_ELEMENTS // vocab)
     total = hidden.new_zeros((), dtype=torch.float32)
     correct: dict[int, torch.Tensor] = {}
     per_source: dict[int, torch.Tensor] = {}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -257,7 +258,7 @@ def torch_varlen(
     params = _compat.torch_varlen_params()
     if dropout:
         raise ValueError("attn_backend='torch_varlen' has no dropout; set attention_dropout=0 or use flash_attn")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
@@ -284,8 +285,10 @@ def flash_attn(
 ) -> torch.Tensor:
     """``flash_attn_varlen_func`` (FA3 interface if installed, else FA2); GQA is native to both."""
     module = _compat.flash_attn_varlen_module()
+    if module is None:
+        raise ValueError("attn_backend='flash_attn' needs flash-attn installed: pip install 'hf_packing[flash]'")
     cu = seqs.cu_seqlens.to(device=q.device, dtype=torch.int32)
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         softmax_scale=scale, causal=causal, window_size=(-1 if window is None else window - 1, 0 if causal else -1)
     )
     if module.__name__ == "flash_attn_interface":  # FA3 has no dropout argument

@@ -96,11 +96,14 @@ def batch_sums(
     ``logits`` (if there are any).
     """
     device, dtype = loss.device, _sum_dtype(loss.device)
-    targets, correct = None, None
+    targets: torch.Tensor | None = None
+    correct: Any = None  # a count: int, or a tensor on any device
+    n: Any
     if counts:
         n = sum(ce.num_supervised for ce in counts)
-        if all(ce.num_correct is not None for ce in counts):
-            correct = sum(ce.num_correct.to(device) for ce in counts)
+        hits = [ce.num_correct for ce in counts]
+        if all(h is not None for h in hits):
+            correct = sum(h.to(device) for h in hits if h is not None)
     else:
         targets = _targets(inputs)
         n = (targets != IGNORE_INDEX).sum()
@@ -116,7 +119,9 @@ def batch_sums(
     ce_sum = torch.where(n > 0, ce_mean * n, torch.zeros_like(n))  # a batch without targets: mean is NaN
     per = [ce.per_source for ce in counts or ()]
     per_known = bool(per) and all(p is not None for p in per)
-    per_source = sum(p.to(device, dtype) for p in per) if per_known else torch.zeros(3, num_sources, device=device)
+    per_source: Any = torch.zeros(3, num_sources, device=device)
+    if per_known:
+        per_source = sum(p.to(device, dtype) for p in per if p is not None)
     head = torch.stack([ce_sum, n, correct, torch.ones_like(n) * (not known), torch.ones_like(n) * (not per_known)])
     return torch.cat([head, per_source.to(dtype).flatten()])
 
@@ -125,7 +130,8 @@ class _Sums:
     """What the wrapped methods share during one ``evaluation_loop``."""
 
     def __init__(self) -> None:
-        self.active, self.loss_only, self.total, self.warned = False, False, None, False
+        self.active, self.loss_only, self.warned = False, False, False
+        self.total: torch.Tensor | None = None
         self.sources: list[str] = []  # the eval set's source names (`PackedDataset.source_names`)
 
     def start(self, loss_only: bool, sources: list[str]) -> None:

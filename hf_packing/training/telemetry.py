@@ -59,6 +59,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback
 
 from ..ops.flops import ModelFlops
@@ -126,16 +127,19 @@ class PackingTelemetry(TrainerCallback):
     ) -> None:
         self.max_length, self.dataset, self.all_reduce = max_length, dataset, all_reduce
         self.sources = list(sources if sources is not None else getattr(dataset, "source_names", None) or [])
-        self._post_handle, self._open = None, ExitStack()
+        self._post_handle: RemovableHandle | None = None
+        self._handle: RemovableHandle | None = None
+        self._open = ExitStack()
         self.peak_tflops = peak_tflops if peak_tflops is not None else default_peak_tflops()
-        self.model_flops, self._handle, self._packs_per_batch = model_flops, None, 1
+        self.model_flops, self._packs_per_batch = model_flops, 1
         self._reset()
+        self._excluded = 0.0
         self._start_window(0)  # evaluate() / save before train() reach on_evaluate / on_save
 
     # ------------------------------------------------------------------------------------------ counting
     def _reset(self) -> None:
         self._acc: torch.Tensor | None = None  # created on the first batch's device
-        self._host = dict.fromkeys(_HOST_KEYS, 0)
+        self._host = dict.fromkeys(_HOST_KEYS, 0.0)
         self._grids: list[torch.Tensor] = []  # (t, h, w) rows of every item, read once at log time
         self._per_source: torch.Tensor | None = None  # (3, sources) Σ CE, tokens, hits on the device
         self._per_source_missing = 0  # training forwards that gave no per-source sums (Liger, SP, no source_ids)
@@ -210,7 +214,7 @@ class PackingTelemetry(TrainerCallback):
             stats = self.dataset.stats()
         return _total(stats.get("skipped", 0)) + _total(stats.get("leftover_samples", 0))
 
-    def counts(self, device: torch.device | str | None = None) -> dict[str, float]:
+    def counts(self, device: torch.device | str | None = None) -> dict[str, Any]:
         """The counts since the last log, synced (and summed over ranks when all-reducing)."""
         dev = self._acc.device if self._acc is not None else torch.device(device or "cpu")
         dtype = torch.float32 if dev.type == "mps" else torch.float64

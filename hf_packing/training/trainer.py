@@ -86,7 +86,7 @@ def spread_eval_packs(trainer: Any) -> Any:
 def _unsharded(get_dataloader: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(*args, **kwargs):
         loader = get_dataloader(*args, **kwargs)
-        shard = getattr(loader, "dataset", None)
+        shard: Any = getattr(loader, "dataset", None)
         if packed_dataset(loader) not in (None, shard):  # accelerate's IterableDatasetShard around our packs
             shard.num_processes, shard.process_index = 1, 0
         return mark_prepared(loader)  # the patched forward refuses packs from a loader without this mark
@@ -175,7 +175,7 @@ def refuse_liger_kernel(trainer: Any) -> Any:
 
 def _collators(collator: Any) -> list[Any]:
     """``collator`` and what it wraps (``.collator``, ``.data_collator``, ``__wrapped__``), outermost first."""
-    found = []
+    found: list[Any] = []
     while collator is not None and len(found) < 4:
         found.append(collator)
         collator = next(
