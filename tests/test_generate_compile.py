@@ -9,7 +9,7 @@ tokens and scores, and the compiled forward must not recompile between steps or 
 
 Under the patch it failed with ``torch._dynamo.exc.Unsupported: mapping proxy affected by dictionary mutation``:
 the patched forward bound its call with ``inspect.Signature.bind``, which reads a ``mappingproxy``, after
-transformers' wrapper had mutated a dict in the traced frame. `CallBinder` binds with plain tuples; the negative
+transformers' wrapper had mutated a dict in the traced frame. `ForwardSignature` binds with plain tuples; the negative
 control puts ``Signature.bind`` back and sees the error again.
 
 Inputs: the VLM testers' shape (image prompts, ``pixel_values`` + grids; the prefill runs uncompiled, the decode
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import hf_packing
-from hf_packing.patches._forward import CallBinder
+from hf_packing.patches._call import ForwardSignature
 from hf_packing.testing.tiny import build_tiny_model
 from tests.conftest import FIXTURES, conversations, image, load_processor, processed_batch
 
@@ -106,13 +106,13 @@ def test_generate_compile_model_forward_fullgraph_inductor(model_type):
 def test_signature_bind_breaks_the_fullgraph_generation(monkeypatch):
     """Negative control: the binding before the fix (``inspect.Signature.bind``) fails upstream's test again."""
 
-    def signature_bind(self: CallBinder, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    def signature_bind(self: ForwardSignature, args: tuple, kwargs: dict) -> dict:
         call = self.signature.bind(None, *args, **kwargs).arguments
         call.pop(next(iter(self.signature.parameters)))
-        extra = dict(call.pop("kwargs", {}))
-        return call, extra, {name: extra.pop(name, None) for name in self.packing}
+        extra = call.pop("kwargs", {})
+        return {**call, **extra}
 
-    monkeypatch.setattr(CallBinder, "__call__", signature_bind)
+    monkeypatch.setattr(ForwardSignature, "bind", signature_bind)
     hf_packing.apply_rmpad("qwen2_5_vl")
     with pytest.raises(torch._dynamo.exc.Unsupported, match="mapping proxy affected by dictionary mutation"):
         _check("qwen2_5_vl", "aot_eager")

@@ -4,7 +4,7 @@ TRL's fused LM head (SFT, DPO, GRPO, KTO log-probs), reward / value heads and em
 backbone, never ``ForConditionalGeneration.forward``. The patched backbone flattens their batch once, like the
 top-level forward, and gives ``last_hidden_state`` back in the unpatched shape::
 
-    caller's (B, L) batch ──flatten_call──► ids (1, T), M-RoPE (3, 1, T), cu_seqlens         [_forward, _flatten]
+    caller's (B, L) batch ──parse_call, flatten_call──► ids (1, T), M-RoPE (3, 1, T), cu_seqlens   [_call, _forward]
         └─► original XModel.forward(..., hf_packing_seqs=seqs)  decoder layers see T real tokens
               └─► last_hidden_state (1, T, H) ──repad──► (B, L, H), zeros at pads; hidden_states likewise
 
@@ -24,11 +24,12 @@ from collections.abc import Callable
 import torch
 
 from ._attention import PACKED_KWARG
+from ._call import ForwardSignature, parse_call
 from ._forward import (
-    CallBinder,
     OriginalForward,
     RmpadOptions,
     as_patched_forward,
+    backbone_kwargs,
     flatten_call,
     is_generation_call,
     repad_hidden_states,
@@ -44,29 +45,32 @@ from .prepared import check_active_loader
 
 def make_backbone_forward(original: Callable, spec: FamilySpec, options: RmpadOptions) -> Callable:
     """Build the patched ``XModel.forward`` for one family, with ``options`` bound (apply again to change them)."""
-    bind_call = CallBinder(inspect.signature(original))
+    signature = ForwardSignature(inspect.signature(original))
 
     def forward(self, *args, **kwargs):
         if kwargs.get(PACKED_KWARG) is not None:  # flattened already (the patched top-level forward)
             return original(self, *args, **kwargs, return_dict=True)
-        call, extra, packing = bind_call(args, kwargs)
-        if is_generation_call(call, resolve_use_cache(self, call.get("use_cache", extra.get("use_cache")))):
+        # head=False: loss keywords given to the backbone are passed on (in `ForwardCall.rest`), as without the patch
+        call = parse_call(signature, args, kwargs, rope_kwargs=spec.rope_kwargs, head=False)
+        if is_generation_call(call, resolve_use_cache(self, call.use_cache)):
             if self.training and torch.is_grad_enabled() and not OriginalForward.depth:  # a custom head's training call
                 warn_supervised_generation_call(self, call)
             return original(self, *args, **without_packing(kwargs), return_dict=True)
-        check_active_loader(collated=packing["seqlens"] is not None)  # forgetting prepare_trainer is loud
+        check_active_loader(collated=call.collated)  # forgetting prepare_trainer is loud
         if options.sequence_parallel_size > 1:
             raise ValueError(
                 f"sequence_parallel_size={options.sequence_parallel_size}: the backbone ({type(self).__name__}) "
                 "called on its own cannot gather the sequence slices back for your head; call the top-level "
                 "model (XForConditionalGeneration) or apply_rmpad(sequence_parallel_size=1)"
             )
-        flat, vision, model_kwargs = flatten_call(self, spec, call, extra, packing)
+        flat = flatten_call(self, spec, call)
 
         def unflattened(**inputs):
             return original(self, **inputs)
 
-        outputs, dummy = run_backbone(self, flat, vision, model_kwargs, options.dummy_vision, forward=unflattened)
+        outputs, dummy = run_backbone(
+            self, flat, call, backbone_kwargs(call), options.dummy_vision, forward=unflattened
+        )
         hidden = outputs.last_hidden_state[0]
         if dummy is not None:  # dummy_vision on a text-only batch: keep the tower in the graph, adding 0
             hidden = hidden + dummy.to(hidden.dtype)

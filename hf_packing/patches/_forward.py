@@ -4,6 +4,7 @@ It keeps the unpatched forward's contract: the same signature (plus the packing 
 annotation, ``return_dict`` / ``config.return_dict``, the same output class, ``hidden_states`` and ``logits``
 re-padded to ``(B, L, ...)``::
 
+    forward(*args, **kwargs) ──parse_call──► ForwardCall, read-only from here on       [_call.py]
     caller's batch ──flatten_batch──► ids (1, T), M-RoPE (3, 1, T), cu_seqlens      [_flatten.py]
         └─► model.model(...)  transformers' own code; varlen attention via the registry   [_attention.py]
               └─► hidden (T, H) ──► per-sequence shifted, chunked CE / num_items_in_batch   [loss.py]
@@ -18,7 +19,7 @@ from __future__ import annotations
 import inspect
 import typing
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ from ..parallel import shard as shard_
 from ..parallel.comm import SPGroup, gather_sequence
 from ..parallel.state import SequenceParallelState
 from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS, host_vision_seqlens, inside_packed_forward
+from ._call import PACKING_NAMES, PACKING_PARAMETERS, ForwardCall, ForwardSignature, parse_call
 from ._flatten import FlatBatch, flatten_batch
 from ._spec import FamilySpec
 from ._vision import (
@@ -50,25 +52,6 @@ from ._vision import (
     vision_seqlens,
 )
 from .prepared import check_active_loader
-
-#: transformers' flash-style boundary kwargs (DataCollatorWithFlattening, VisionCollator mode='flat').
-HF_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-#: keywords the patched forward adds to the original signature (so the Trainer keeps these batch columns).
-PACKING_PARAMETERS = (
-    inspect.Parameter("cu_seqlens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=torch.Tensor | None),
-    inspect.Parameter("max_seqlen", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None),
-    inspect.Parameter("skip_logits", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=bool | None),
-    # VisionCollator's host count of supervised targets: the loss selects them without a host sync
-    inspect.Parameter("num_supervised_tokens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=int | None),
-    # VisionCollator's host lengths of the sequences it collated: boundaries without a host read
-    inspect.Parameter("seqlens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=list[int] | None),
-    # VisionCollator's host copy of the vision grids (images then videos): the tower's boundaries without a read
-    inspect.Parameter("vision_grids", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=list | None),
-    # VisionCollator's vision_inputs: what the tower's helpers compute from the grids, computed in the worker
-    inspect.Parameter("vision_inputs", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=dict | None),
-    # VisionCollator's per-sequence source ids: the loss sums per source inside `loss.counting_sources`
-    inspect.Parameter("source_ids", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=torch.Tensor | None),
-)
 
 
 @dataclass(frozen=True)
@@ -127,60 +110,18 @@ def resolve_use_cache(backbone, use_cache: bool | None) -> bool:
     return bool(use_cache) and not (backbone.training and checkpointing)
 
 
-class CallBinder:
-    """``inspect.Signature.bind`` for a forward, as plain tuples: a call as (named arguments, the ``**kwargs`` rest,
-    the `PACKING_PARAMETERS` values).
-
-    Not ``Signature.bind`` itself: it reads ``Signature.parameters``, a ``mappingproxy``, and once the traced frame
-    has mutated a dict (transformers' output-capturing wrapper does) dynamo refuses to read a mappingproxy
-    (``Unsupported: mapping proxy affected by dictionary mutation``), which broke ``fullgraph=True`` compilation
-    of the generation path. Tuples and dicts built here trace.
-    """
-
-    def __init__(self, signature: inspect.Signature) -> None:
-        self.signature = signature
-        params = list(signature.parameters.values())[1:]  # without self
-        kinds = inspect.Parameter
-        self.positional = tuple(
-            p.name for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
-        )
-        self.named = frozenset(p.name for p in params if p.kind is not kinds.VAR_KEYWORD)
-        self.var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in params)
-        self.packing = tuple(p.name for p in PACKING_PARAMETERS)
-
-    def __call__(self, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
-        if len(args) > len(self.positional):
-            raise TypeError(f"forward() takes {len(self.positional)} positional arguments but {len(args)} were given")
-        call = dict(zip(self.positional, args))
-        extra = {}
-        for name, value in kwargs.items():
-            if name in call:
-                raise TypeError(f"forward() got multiple values for argument {name!r}")
-            if name in self.named:
-                call[name] = value
-            elif self.var_keyword:
-                extra[name] = value
-            else:
-                raise TypeError(f"forward() got an unexpected keyword argument {name!r}")
-        packing = {name: extra.pop(name, None) for name in self.packing}
-        return call, extra, packing
-
-
-def is_generation_call(call: dict, generation_like: bool) -> bool:
+def is_generation_call(call: ForwardCall, generation_like: bool) -> bool:
     """Whether the original forward must run: a cache, ``use_cache`` in effect, or no ``input_ids`` to flatten."""
     return (
-        call.get("past_key_values") is not None
-        or generation_like
-        or call.get("input_ids") is None
-        or call.get("inputs_embeds") is not None
+        call.past_key_values is not None or generation_like or call.input_ids is None or call.inputs_embeds is not None
     )
 
 
-def generation_reason(call: dict) -> str:
+def generation_reason(call: ForwardCall) -> str:
     """Why `is_generation_call` sends a call to the original forward, and what would keep it padding-free."""
-    if call.get("past_key_values") is not None:
+    if call.past_key_values is not None:
         return "it carries past_key_values (a cache): drop it to train"
-    if call.get("inputs_embeds") is not None or call.get("input_ids") is None:
+    if call.inputs_embeds is not None or call.input_ids is None:
         return (
             "it passes inputs_embeds instead of input_ids, and the padding-free path flattens input_ids: pass input_ids"
         )
@@ -205,7 +146,7 @@ class OriginalForward:
             cls.depth -= 1
 
 
-def warn_supervised_generation_call(model, call: dict) -> None:
+def warn_supervised_generation_call(model, call: ForwardCall) -> None:
     """Warn once per reason and class that a training call (with labels; for the backbone, in training mode with
     gradients) runs the original forward: padded rows, no per-sequence boundaries, transformers' own loss."""
     reason = generation_reason(call)
@@ -224,7 +165,7 @@ def warn_supervised_generation_call(model, call: dict) -> None:
 def without_packing(kwargs: dict) -> dict:
     """The caller's keywords for transformers' own path: a ``cu_seqlens`` key must not reach the vision tower,
     which reads it as its own."""
-    return {k: v for k, v in kwargs.items() if k not in {p.name for p in PACKING_PARAMETERS}}
+    return {k: v for k, v in kwargs.items() if k not in PACKING_NAMES}
 
 
 def check_attn_implementation(config) -> None:
@@ -238,56 +179,53 @@ def check_attn_implementation(config) -> None:
         )
 
 
-def flatten_call(backbone, spec: FamilySpec, call: dict, extra: dict, packing: dict) -> tuple[FlatBatch, dict, dict]:
-    """Flatten a non-generation call once: the `FlatBatch`, the vision inputs, and the backbone's other keywords.
-
-    ``call`` / ``extra`` lose what is consumed here (ids, mask, positions, boundaries, vision and rope inputs,
-    ``use_cache``, the cache and embeddings, which are ``None`` on this path).
-    """
+def flatten_call(backbone, spec: FamilySpec, call: ForwardCall) -> FlatBatch:
+    """Flatten a non-generation call once: its batch as a `FlatBatch`, with the tower's host boundaries and the
+    collator's vision inputs (on the pixels' device)."""
     check_attn_implementation(backbone.config)
-    for key in ("use_cache", "past_key_values", "inputs_embeds"):
-        call.pop(key, extra.pop(key, None))
-    hf_varlen = {k: extra.pop(k) for k in HF_VARLEN_KWARGS if k in extra}
-    extra.pop("seq_idx", None)  # TRL padding-free's per-token sequence index: the flat row's boundaries replace it
-    cu_seqlens = packing["cu_seqlens"] if packing["cu_seqlens"] is not None else hf_varlen.get("cu_seq_lens_q")
-    vision = {k: call.pop(k, None) for k in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")}
-    rope_extra = {k: call.pop(k, extra.pop(k, None)) for k in spec.rope_kwargs}
     flat = flatten_batch(
         backbone,
         spec,
-        input_ids=call.pop("input_ids"),
-        attention_mask=call.pop("attention_mask", None),
-        position_ids=call.pop("position_ids", None),
-        cu_seqlens=cu_seqlens,
-        mm_token_type_ids=call.pop("mm_token_type_ids", None),
-        image_grid_thw=vision["image_grid_thw"],
-        video_grid_thw=vision["video_grid_thw"],
-        extra=rope_extra,
-        seqlens=packing["seqlens"],
+        input_ids=call.input_ids,
+        attention_mask=call.attention_mask,
+        position_ids=call.position_ids,
+        cu_seqlens=call.cu_seqlens,
+        mm_token_type_ids=call.mm_token_type_ids,
+        image_grid_thw=call.image_grid_thw,
+        video_grid_thw=call.video_grid_thw,
+        extra=dict(call.rope),
+        seqlens=call.seqlens,
     )
-    if packing["vision_grids"]:
-        flat.vision_seqlens = vision_seqlens(backbone.config.vision_config, packing["vision_grids"])
+    if call.vision_grids:
+        flat.vision_seqlens = vision_seqlens(backbone.config.vision_config, call.vision_grids)
     # the Trainer moves nested batch tensors; a caller that moved only the top level gets them moved here (a no-op
     # when they are already there)
-    pixels = next((vision[k] for k in ("pixel_values", "pixel_values_videos") if vision.get(k) is not None), None)
+    pixels = call.pixel_values if call.pixel_values is not None else call.pixel_values_videos
     device = pixels.device if pixels is not None else flat.input_ids.device
     flat.vision_inputs = {
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-        for k, v in (packing["vision_inputs"] or {}).items()
+        for k, v in (call.vision_inputs or {}).items()
     }
-    return flat, vision, {**call, **extra, **{k: v for k, v in rope_extra.items() if v is not None}}
+    return flat
+
+
+def backbone_kwargs(call: ForwardCall) -> dict[str, Any]:
+    """The backbone's keywords besides the flat batch and the vision inputs: the call's ``rest`` and the rope
+    keywords it gave (a new dict)."""
+    return {**call.rest, **{k: v for k, v in call.rope.items() if v is not None}}
 
 
 def run_backbone(
     backbone,
     flat: FlatBatch,
-    vision: dict[str, torch.Tensor | None],
-    model_kwargs: dict[str, Any],
+    call: ForwardCall,
+    model_kwargs: Mapping[str, Any],
     dummy_vision: bool,
     sp: SPGroup | None = None,
     forward: Callable | None = None,
 ):
-    """The backbone on the flat row, calling the vision tower once on every rank (see `_vision.tower_calls`).
+    """The backbone on the flat row of ``call`` (`flatten_call`) with ``call``'s vision inputs and ``model_kwargs``
+    (`backbone_kwargs`), calling the vision tower once on every rank (see `_vision.tower_calls`).
 
     ``forward`` is the backbone's call: the module itself (the top-level path) or, from inside the patched backbone
     forward, its original function. Either way it carries the `PackedSequences`, so it runs unflattened code.
@@ -300,6 +238,7 @@ def run_backbone(
     without pixels, or an SP rank got no vision unit).
     """
     forward = backbone if forward is None else forward
+    vision = call.vision
     hook = None
     if sp is not None:
         shard = shard_.text_model_pre_hook(sp, flat.seqs, PACKED_KWARG)
@@ -346,22 +285,22 @@ def _loss_and_logits(
     model,
     hidden: torch.Tensor,
     flat: FlatBatch,
-    labels,
-    shift_labels,
+    call: ForwardCall,
     want_logits: bool,
     options: RmpadOptions,
     sp: SPGroup | None = None,
-    num_supervised: int | None = None,
-    source_ids: torch.Tensor | None = None,
 ) -> tuple[CrossEntropySum | None, torch.Tensor | None]:
-    """Σ CE over the flat row's supervised positions (per-sequence shift) and/or its ``(T, V)`` logits.
+    """Σ CE over the flat row's supervised positions (per-sequence shift, ``call``'s labels or shift_labels) and/or
+    its ``(T, V)`` logits.
 
     Without logits the head runs in checkpointed chunks on supervised rows only; with them, once on all rows.
     Under sequence parallelism ``hidden`` is this rank's slice: the targets are shifted on the whole pack, then
     sliced; the CE is this slice's; logits (outputs only, no gradient) come from the gathered hidden states.
-    ``num_supervised`` (the collator's count for ``labels``) spares the loss its host sync. ``source_ids`` (one per
-    sequence) fill `CrossEntropySum.per_source` inside `loss.counting_sources` (not under sequence parallelism).
+    ``call.num_supervised_tokens`` (the collator's count for ``labels``) spares the loss its host sync.
+    ``call.source_ids`` (one per sequence) fill `CrossEntropySum.per_source` inside `loss.counting_sources` (not
+    under sequence parallelism).
     """
+    labels, shift_labels, source_ids = call.labels, call.shift_labels, call.source_ids
     targets = None
     if shift_labels is not None:
         targets = flat.flatten(shift_labels)
@@ -390,7 +329,7 @@ def _loss_and_logits(
             targets,
             chunk_size=options.loss_chunk_size,
             use_liger=options.use_liger,
-            num_supervised=num_supervised if shift_labels is None and labels is not None else None,
+            num_supervised=call.num_supervised_tokens if shift_labels is None and labels is not None else None,
             sources=sources,
             num_sources=num_sources,
         )
@@ -401,49 +340,35 @@ def _loss_and_logits(
 
 def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptions) -> Callable:
     """Build the patched forward for one family, with ``options`` bound (apply again to change them)."""
-    bind_call = CallBinder(inspect.signature(original))
+    signature = ForwardSignature(inspect.signature(original))
     output_class = _output_class(original, spec)
 
     def forward(self, *args, **kwargs):
-        call, extra, packing = bind_call(args, kwargs)
-        labels, shift_labels = call.pop("labels", None), extra.pop("shift_labels", None)
-        supervised = labels is not None or shift_labels is not None
-        use_cache = call.get("use_cache", extra.get("use_cache"))
-        generation_like = use_cache if supervised else resolve_use_cache(self.model, use_cache)
+        call = parse_call(signature, args, kwargs, rope_kwargs=spec.rope_kwargs)
+        generation_like = call.use_cache if call.supervised else resolve_use_cache(self.model, call.use_cache)
         if is_generation_call(call, generation_like):
-            if supervised:
+            if call.supervised:
                 warn_supervised_generation_call(self, call)
             if torch.compiler.is_compiling():  # (the counter only quiets a warning, which is eager-only too)
                 return original(self, *args, **without_packing(kwargs), return_dict=True)
             with OriginalForward.running():  # its backbone call is this call: no second warning
                 return original(self, *args, **without_packing(kwargs), return_dict=True)
-        check_active_loader(collated=packing["seqlens"] is not None)  # forgetting prepare_trainer is loud
+        check_active_loader(collated=call.collated)  # forgetting prepare_trainer is loud
 
-        num_items_in_batch = extra.pop("num_items_in_batch", None)
-        logits_to_keep = call.pop("logits_to_keep", 0)
-        flat, vision, model_kwargs = flatten_call(self.model, spec, call, extra, packing)
+        flat = flatten_call(self.model, spec, call)
+        model_kwargs = backbone_kwargs(call)
         if spec.moe:
             # as the original resolves it: the config's default where it is a parameter (5.23), else only when asked
             router = model_kwargs.get("output_router_logits")
-            default = "output_router_logits" in bind_call.named and self.config.text_config.output_router_logits
-            model_kwargs["output_router_logits"] = bool(default) if router is None else router
+            default = "output_router_logits" in signature.named and self.config.text_config.output_router_logits
+            model_kwargs = {**model_kwargs, "output_router_logits": bool(default) if router is None else router}
         sp = options.sequence_parallel.group()
         # evaluation too: FSDP2 / ZeRO-3 all-gather the tower's parameters in every forward, with or without grad
-        outputs, dummy = run_backbone(self.model, flat, vision, model_kwargs, options.dummy_vision, sp)
-        skip_logits = packing["skip_logits"]
-        want_logits = not skip_logits if skip_logits is not None else not (supervised and self.training)
-        ce, flat_logits = _loss_and_logits(
-            self,
-            outputs.last_hidden_state[0],
-            flat,
-            labels,
-            shift_labels,
-            want_logits,
-            options,
-            sp,
-            packing["num_supervised_tokens"],
-            packing["source_ids"],
-        )
+        outputs, dummy = run_backbone(self.model, flat, call, model_kwargs, options.dummy_vision, sp)
+        skip_logits = call.skip_logits
+        want_logits = not skip_logits if skip_logits is not None else not (call.supervised and self.training)
+        ce, flat_logits = _loss_and_logits(self, outputs.last_hidden_state[0], flat, call, want_logits, options, sp)
+        num_items_in_batch = call.num_items_in_batch
         if sp is None:
             loss = None if ce is None else reduce_loss(ce.loss_sum, ce.num_supervised, num_items_in_batch)
         else:
@@ -452,7 +377,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
                 num_items_in_batch = num_items_in_batch / sp.size
         if loss is not None and dummy is not None:
             loss = loss + dummy
-        logits = None if flat_logits is None else _keep_logits(flat.repad(flat_logits), logits_to_keep)
+        logits = None if flat_logits is None else _keep_logits(flat.repad(flat_logits), call.logits_to_keep)
         hidden_states = outputs.get("hidden_states")
         fields = dict(
             loss=loss,

@@ -71,19 +71,18 @@ def _rows(tensor: torch.Tensor, sizes: list[int], keep: slice) -> torch.Tensor:
     return tensor[start : start + sum(sizes[keep])]
 
 
-def vision_seqlens(vision_config, grids: list[list[int]]) -> tuple[list[int], ...]:
-    """Host lengths of the tower's attention boundaries for items ``grids`` (``[t, h, w]`` each, images then
-    videos, as one tower call takes them): one sequence per frame (``h·w`` patches), and on Qwen2.5-VL also its
-    windows, as transformers' ``get_vision_window_index`` cuts each frame (row-major over windows of
-    ``window_size / patch_size / merge`` merged patches, empty ones dropped). One list per distinct boundary set.
+def window_units(vision_config, grids: list[list[int]]) -> list[int]:
+    """Patches per attention window of Qwen2.5-VL's windowed tower blocks, for items ``grids`` (``[t, h, w]``
+    patches each), as transformers' ``get_vision_window_index`` cuts each frame: windows of
+    ``window_size / patch_size / spatial_merge_size`` merged patches a side, row-major, the last row and column
+    cut at the frame's edge (empty windows dropped); each of an item's ``t`` frames cut alike, items in order.
+
+    The one place this is written: the tower's boundaries here (`vision_seqlens`) and the training FLOPs
+    (`hf_packing.training.flops`) use it. ``vision_config`` must have a ``window_size`` (Qwen2.5-VL's).
     """
-    frames = [h * w for t, h, w in grids for _ in range(t)]
-    window = getattr(vision_config, "window_size", None)
-    if not window or not frames:
-        return (frames,)
     merge = vision_config.spatial_merge_size
-    side = window // merge // vision_config.patch_size
-    windows = []
+    side = vision_config.window_size // merge // vision_config.patch_size  # merged patches per window side
+    units: list[int] = []
     for t, h, w in grids:
         rows, cols = h // merge, w // merge
         spans = [
@@ -91,7 +90,19 @@ def vision_seqlens(vision_config, grids: list[list[int]]) -> tuple[list[int], ..
             for i in range(0, rows, side)
             for j in range(0, cols, side)
         ]
-        windows += spans * t
+        units += spans * t
+    return units
+
+
+def vision_seqlens(vision_config, grids: list[list[int]]) -> tuple[list[int], ...]:
+    """Host lengths of the tower's attention boundaries for items ``grids`` (``[t, h, w]`` each, images then
+    videos, as one tower call takes them): one sequence per frame (``h·w`` patches), and on Qwen2.5-VL also its
+    windows (`window_units`). One list per distinct boundary set.
+    """
+    frames = [h * w for t, h, w in grids for _ in range(t)]
+    if not getattr(vision_config, "window_size", None) or not frames:
+        return (frames,)
+    windows = window_units(vision_config, grids)
     return (frames,) if windows == frames else (frames, windows)
 
 
@@ -299,8 +310,9 @@ def tower_calls(
         # return_dict explicitly: before 5.23 transformers let config.return_dict=False turn this into a tuple
         kwargs = {**kwargs, "return_dict": True}
         if sp is None:
-            kwargs = {**precomputed, **kwargs}  # the tower's helpers pop these (one fresh dict per call)
-            sizes, order = kwargs.pop(ITEM_TOKENS, None), kwargs.pop(ITEM_ORDER, None)
+            sizes, order = precomputed.get(ITEM_TOKENS), precomputed.get(ITEM_ORDER)
+            # the tower's helpers pop their inputs from these keywords: a new dict per call
+            kwargs = {**{k: v for k, v in precomputed.items() if k not in (ITEM_TOKENS, ITEM_ORDER)}, **kwargs}
             if sizes is None:
                 out = type(inner).get_image_features(inner, pixels, grids, **kwargs)
             else:
