@@ -198,6 +198,10 @@ def liger_can_read_weight(head: torch.nn.Module) -> bool:
     )
 
 
+def _vocab_size(head: torch.nn.Module) -> int:
+    return getattr(head, "out_features", None) or head.get_parameter("weight").shape[0]
+
+
 def linear_cross_entropy_sum(
     hidden: torch.Tensor,
     head: torch.nn.Module,
@@ -272,8 +276,7 @@ def linear_cross_entropy_sum(
             )
         total = liger(hidden, head.weight, targets, bias=head.bias, ignore_index=IGNORE_INDEX, reduction="sum")
         return CrossEntropySum(total, n, None)
-    vocab: int = getattr(head, "out_features", None) or head.get_parameter("weight").shape[0]
-    rows = chunk_size or max(256, CHUNK_ELEMENTS // vocab)
+    rows = chunk_size or max(256, CHUNK_ELEMENTS // _vocab_size(head))
     total = hidden.new_zeros((), dtype=torch.float32)
     correct: dict[int, torch.Tensor] = {}
     per_source: dict[int, torch.Tensor] = {}

@@ -27,6 +27,7 @@ import torch
 from transformers.utils.generic import ModelOutput
 
 from .. import _compat
+from ..ops import varlen
 from ..parallel.comm import SPGroup
 from ..parallel.shard import encode_vision_split
 
@@ -71,39 +72,13 @@ def _rows(tensor: torch.Tensor, sizes: list[int], keep: slice) -> torch.Tensor:
     return tensor[start : start + sum(sizes[keep])]
 
 
-def window_units(vision_config, grids: list[list[int]]) -> list[int]:
-    """Patches per attention window of Qwen2.5-VL's windowed tower blocks, for items ``grids`` (``[t, h, w]``
-    patches each), as transformers' ``get_vision_window_index`` cuts each frame: windows of
-    ``window_size / patch_size / spatial_merge_size`` merged patches a side, row-major, the last row and column
-    cut at the frame's edge (empty windows dropped); each of an item's ``t`` frames cut alike, items in order.
-
-    The one place this is written: the tower's boundaries here (`vision_seqlens`) and the training FLOPs
-    (`hf_packing.training.flops`) use it. ``vision_config`` must have a ``window_size`` (Qwen2.5-VL's).
-    """
-    merge = vision_config.spatial_merge_size
-    side = vision_config.window_size // merge // vision_config.patch_size  # merged patches per window side
-    units: list[int] = []
-    for t, h, w in grids:
-        rows, cols = h // merge, w // merge
-        spans = [
-            min(side, rows - i) * min(side, cols - j) * merge**2
-            for i in range(0, rows, side)
-            for j in range(0, cols, side)
-        ]
-        units += spans * t
-    return units
-
-
 def vision_seqlens(vision_config, grids: list[list[int]]) -> tuple[list[int], ...]:
-    """Host lengths of the tower's attention boundaries for items ``grids`` (``[t, h, w]`` each, images then
-    videos, as one tower call takes them): one sequence per frame (``h·w`` patches), and on Qwen2.5-VL also its
-    windows (`window_units`). One list per distinct boundary set.
-    """
-    frames = [h * w for t, h, w in grids for _ in range(t)]
-    if not getattr(vision_config, "window_size", None) or not frames:
-        return (frames,)
-    windows = window_units(vision_config, grids)
-    return (frames,) if windows == frames else (frames, windows)
+    """`hf_packing.ops.varlen.vision_seqlens` for this tower's config: one sequence per frame and, on Qwen2.5-VL
+    (a config with ``window_size``), also its windows of ``window_size / patch_size / spatial_merge_size`` merged
+    patches a side. Items ``grids`` (``[t, h, w]`` each) in the tower's order, images then videos."""
+    merge = vision_config.spatial_merge_size
+    window = getattr(vision_config, "window_size", None) or 0
+    return varlen.vision_seqlens(grids, merge=merge, window=window // merge // vision_config.patch_size)
 
 
 #: Qwen3-VL-style towers' position-embedding interpolation (set in their ``__init__``, not in the config)
