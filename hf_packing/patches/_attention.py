@@ -14,6 +14,7 @@ depends on a config switch that gradient checkpointing's recomputation could mis
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -82,7 +83,8 @@ def inside_packed_forward() -> Iterator[None]:
 
 def missing_boundaries_error(caller: object) -> RuntimeError:
     """The error for a call from ``caller`` (an attention module or a linear-attention op) that lost the boundaries."""
-    name = caller.__name__ if callable(caller) and not isinstance(caller, torch.nn.Module) else type(caller).__name__
+    name = getattr(caller, "__name__", None) if not isinstance(caller, torch.nn.Module) else None
+    name = name or type(caller).__name__
     return RuntimeError(
         f"{name} was called inside a packed forward without the pack's boundaries "
         f"({PACKED_KWARG!r} did not reach it): the original attention would attend across the samples of the flat "
@@ -105,7 +107,7 @@ class _VisionBoundaries:
 
     def __call__(self, cu_seqlens: torch.Tensor, max_seqlen: int | None) -> PackedSequences:
         ref, seqs = self._seen.get(id(cu_seqlens), (None, None))
-        if ref is None or ref() is not cu_seqlens:
+        if ref is None or seqs is None or ref() is not cu_seqlens:
             self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
             seqlens = _known_seqlens(cu_seqlens)
             if seqlens is None:
@@ -163,7 +165,7 @@ def make_dispatcher(
         out = kernel(q, k, v) if sp is None or not causal else ulysses_attention(q, k, v, sp, kernel)
         return out.unsqueeze(0), None
 
-    attention.__wrapped__ = original
+    functools.update_wrapper(attention, original, assigned=(), updated=())  # only __wrapped__
     return attention
 
 
@@ -187,5 +189,5 @@ def make_vision_flash_check(original: Callable) -> Callable:
             config=config, requested_attention_implementation=requested_attention_implementation, version=version
         )
 
-    is_flash_attention_requested.__wrapped__ = original
+    functools.update_wrapper(is_flash_attention_requested, original, assigned=(), updated=())  # only __wrapped__
     return is_flash_attention_requested

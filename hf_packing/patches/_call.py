@@ -179,7 +179,7 @@ def parse_call(
     given = signature.bind(args, kwargs)
     names = _FIELDS + _HEAD_FIELDS if head else _FIELDS
     taken = frozenset((*names, *rope_kwargs, *_SUPERSEDED))
-    fields = {name: given.get(name) for name in names}
+    fields: dict[str, Any] = {name: given.get(name) for name in names}
     if head:
         fields["logits_to_keep"] = given.get("logits_to_keep", 0)
     cu_seqlens = given.get("cu_seqlens")

@@ -159,14 +159,14 @@ def sequence_boundaries(
             "For packed rows drop the attention_mask (transformers' padding-free format) or pass cu_seq_lens_q; "
             "for padded rows pass position_ids that count up inside each row"
         )
-    seqlens: list[int] = []
+    found: list[int] = []
     cuts: dict[int, list[int]] = {}
     for row, col in where:
         cuts.setdefault(row, []).append(col)
     for row, length in enumerate(lengths):
         edges = [0, *cuts.get(row, []), length]
-        seqlens += [b - a for a, b in zip(edges[:-1], edges[1:])]
-    return indices, PackedSequences.from_seqlens(seqlens, device=input_ids.device)
+        found += [b - a for a, b in zip(edges[:-1], edges[1:])]
+    return indices, PackedSequences.from_seqlens(found, device=input_ids.device)
 
 
 def _dispatch_error(covered: int, real: int) -> ValueError:

@@ -110,7 +110,7 @@ def resolve_use_cache(backbone, use_cache: bool | None) -> bool:
     return bool(use_cache) and not (backbone.training and checkpointing)
 
 
-def is_generation_call(call: ForwardCall, generation_like: bool) -> bool:
+def is_generation_call(call: ForwardCall, generation_like: bool | None) -> bool:
     """Whether the original forward must run: a cache, ``use_cache`` in effect, or no ``input_ids`` to flatten."""
     return (
         call.past_key_values is not None or generation_like or call.input_ids is None or call.inputs_embeds is not None
@@ -183,6 +183,8 @@ def flatten_call(backbone, spec: FamilySpec, call: ForwardCall) -> FlatBatch:
     """Flatten a non-generation call once: its batch as a `FlatBatch`, with the tower's host boundaries and the
     collator's vision inputs (on the pixels' device)."""
     check_attn_implementation(backbone.config)
+    if call.input_ids is None:  # `is_generation_call` sends a call without them to the original forward
+        raise ValueError("the packed forward flattens input_ids; the call has none")
     flat = flatten_batch(
         backbone,
         spec,
@@ -320,9 +322,11 @@ def _loss_and_logits(
         return ce, logits
     num_sources = loss_.counted_sources() if source_ids is not None and targets is not None else 0
     sources = None
-    if num_sources:
+    if num_sources and source_ids is not None and targets is not None:
         sources = loss_.token_sources(source_ids, flat.seqs.cu_seqlens, num_sources, targets.shape[0])
     if not want_logits:
+        if targets is None:  # neither a loss nor logits asked for
+            return None, None
         ce = linear_cross_entropy_sum(
             hidden,
             model.lm_head,
@@ -368,7 +372,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
         skip_logits = call.skip_logits
         want_logits = not skip_logits if skip_logits is not None else not (call.supervised and self.training)
         ce, flat_logits = _loss_and_logits(self, outputs.last_hidden_state[0], flat, call, want_logits, options, sp)
-        num_items_in_batch = call.num_items_in_batch
+        num_items_in_batch: Any = call.num_items_in_batch  # this rank's share of it under SP
         if sp is None:
             loss = None if ce is None else reduce_loss(ce.loss_sum, ce.num_supervised, num_items_in_batch)
         else:
@@ -473,7 +477,7 @@ def _moe_fields(
         aux_loss = shard_.load_balancing_loss(
             router_logits, text.num_experts, text.num_experts_per_tok, sp, flat.indices.numel()
         )
-    if loss is not None:
+    if loss is not None and ce is not None:
         weight = text.router_aux_loss_coef
         if num_items_in_batch is not None:  # n_local / num_items_in_batch: a Python number over the Trainer's count
             weight = weight * _share(ce.num_supervised, num_items_in_batch, loss.device)

@@ -16,6 +16,7 @@ runs on this rank's heads over the whole pack, between Ulysses all-to-alls (`hf_
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -74,7 +75,7 @@ def make_conv_route(original: Callable, backend: str, logged: set[str] | None = 
             else ulysses_causal_conv1d(hidden_states, weight, bias, sp, conv)
         )
 
-    causal_conv1d_fn.__wrapped__ = original
+    functools.update_wrapper(causal_conv1d_fn, original, assigned=(), updated=())  # only __wrapped__
     return causal_conv1d_fn
 
 
@@ -124,7 +125,7 @@ def make_delta_rule_route(original: Callable, backend: str, logged: set[str] | N
             return rule(query, key, value, g, beta), None
         return ulysses_gated_delta_rule(query, key, value, g, beta, sp, rule), None
 
-    torch_chunk_gated_delta_rule.__wrapped__ = original
+    functools.update_wrapper(torch_chunk_gated_delta_rule, original, assigned=(), updated=())  # only __wrapped__
     return torch_chunk_gated_delta_rule
 
 

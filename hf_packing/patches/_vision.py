@@ -35,7 +35,7 @@ from ..parallel.shard import encode_vision_split
 _MODALITY_PREFIXES = ("image_", "video_")
 
 
-def _items(output: ModelOutput, keep: slice, rows: slice) -> ModelOutput:
+def _items(output: Any, keep: slice, rows: slice) -> ModelOutput:
     """The part of a tower output that belongs to items ``keep`` (``pooler_output`` is a tuple per item), whose
     pre-merge patches are ``last_hidden_state[rows]``."""
     fields = dict(output.items())
@@ -54,7 +54,7 @@ def _items(output: ModelOutput, keep: slice, rows: slice) -> ModelOutput:
     return part
 
 
-def _reordered(output: ModelOutput, order: list[int]) -> ModelOutput:
+def _reordered(output: Any, order: list[int]) -> ModelOutput:
     """A tower output (split per item) with its items in ``order``; the pre-merge patches stay as they are."""
     fields = dict(output.items())
     fields["pooler_output"] = tuple(output.pooler_output[i] for i in order)
@@ -100,7 +100,7 @@ def item_order(token_types: torch.Tensor, item_tokens: list[int], n_images: int)
         n_images (`int`): how many of the items are images.
     """
     visual = token_types[token_types != 0].tolist()  # the modality of each visual token, in row order
-    rank = {1: [], 2: []}  # each modality's tokens' places among the visual tokens
+    rank: dict[int, list[int]] = {1: [], 2: []}  # each modality's tokens' places among the visual tokens
     for place, kind in enumerate(visual):
         rank.setdefault(kind, []).append(place)
     firsts = []
@@ -205,7 +205,8 @@ def _dummy_output(backbone, **kwargs: Any) -> ModelOutput:
 def _dummy_features(backbone, **kwargs: Any) -> tuple[ModelOutput, torch.Tensor]:
     """The dummy image's tower output and 0 · Σ of it (a 0-d fp32 tensor that keeps the tower in the graph)."""
     out = _dummy_output(backbone, **kwargs)
-    return out, sum(t.float().sum() for t in _iter_tensors(out.to_tuple())) * 0.0
+    total: Any = sum(t.float().sum() for t in _iter_tensors(out.to_tuple()))  # a tensor: the output has some
+    return out, total * 0.0
 
 
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -273,9 +274,9 @@ def tower_calls(
         yield dummy_terms
         return
 
-    encoded: dict[str, ModelOutput | None] = {}
+    encoded: dict[str, Any] = {}
     kinds = ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw))
-    media = [(pixels, grid) for pixels, grid in kinds if pixels is not None]
+    media: list[tuple[torch.Tensor, Any]] = [(pixels, grid) for pixels, grid in kinds if pixels is not None]
 
     def encode(**kwargs: Any) -> None:
         if encoded:
@@ -285,7 +286,7 @@ def tower_calls(
         # return_dict explicitly: before 5.23 transformers let config.return_dict=False turn this into a tuple
         kwargs = {**kwargs, "return_dict": True}
         if sp is None:
-            sizes, order = precomputed.get(ITEM_TOKENS), precomputed.get(ITEM_ORDER)
+            sizes = precomputed.get(ITEM_TOKENS)
             # the tower's helpers pop their inputs from these keywords: a new dict per call
             kwargs = {**{k: v for k, v in precomputed.items() if k not in (ITEM_TOKENS, ITEM_ORDER)}, **kwargs}
             if sizes is None:
@@ -304,10 +305,10 @@ def tower_calls(
             if term is not None:
                 dummy_terms.append(term)
         if joint:  # images and videos as one kind, in row order: transformers' image path places them all
-            encoded["image"], encoded["video"] = _reordered(out, order), None
+            encoded["image"], encoded["video"] = _reordered(out, precomputed[ITEM_ORDER]), None
             return
         # the images' patches are pixel_values' rows: a shape, so the split needs no host read of the grids
-        n_images, n_patches = (0, 0) if pixel_values is None else (len(image_grid_thw), pixel_values.shape[0])
+        n_images, n_patches = (0, 0) if pixel_values is None else (len(media[0][1]), pixel_values.shape[0])
         encoded["image"] = _items(out, slice(0, n_images), slice(0, n_patches))
         encoded["video"] = _items(out, slice(n_images, None), slice(n_patches, None))
 
@@ -365,7 +366,7 @@ def deepstack_by_index(backbone, visual_tokens: int | None) -> Iterator[None]:
     backward; the same sums by ``index_add``, none. ``None`` (not the collator's batch, or sequence parallelism,
     whose ranks hold a slice of the tokens), or a backbone without DeepStack: transformers' own code.
     """
-    text = getattr(backbone, "language_model", None)
+    text: Any = getattr(backbone, "language_model", None)
     if visual_tokens is None or not hasattr(type(text), "_deepstack_process"):
         yield
         return

@@ -107,13 +107,13 @@ def _loader_problem(loader: Any, collated: bool) -> str | None:
     return None
 
 
-def _packs(loader: Any, shard_class: type) -> Any:
+def _packs(loader: Any, shard_class: Any) -> Any:
     """The `PackedDataset` ``loader`` iterates (directly or in accelerate's shard), else None.
     `hf_packing.training.unwrap` does the same, but importing it (and with it the packer) here would close an import
     cycle through the patches; a `PackedDataset` can only exist once its module is imported, so ``sys.modules``
     tells."""
     stream = sys.modules.get("hf_packing.packing.dataset")
-    dataset = getattr(loader, "dataset", None)
+    dataset: Any = getattr(loader, "dataset", None)
     dataset = dataset.dataset if isinstance(dataset, shard_class) else dataset
     return dataset if stream is not None and isinstance(dataset, stream.PackedDataset) else None
 
