@@ -42,7 +42,7 @@ def measure(model_type: str) -> list[list[str]]:
     from hf_packing import VisionCollator
     from hf_packing.testing.syncs import SyncCounter
     from hf_packing.testing.tiny import build_tiny_model
-    from tests.conftest import FIXTURES, load_processor, processed_samples
+    from tests.helpers import FIXTURES, load_processor, processed_samples
 
     processor = load_processor(model_type)
     samples = processed_samples(processor)

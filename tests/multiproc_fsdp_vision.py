@@ -33,7 +33,7 @@ def main(model_type: str, out: str, separate: bool) -> None:
 
     import hf_packing
     from hf_packing.testing.tiny import build_tiny_model
-    from tests.conftest import FIXTURES, conversations, load_processor, processed_batch
+    from tests.helpers import FIXTURES, conversations, load_processor, processed_batch
 
     hf_packing.apply_rmpad(model_type, dummy_vision=True)
     if separate:

@@ -41,10 +41,9 @@ from hf_packing.training.distributed import end_distributed, end_process
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 MONKEYPATCH = pytest.MonkeyPatch()
-#: sample indices of conftest.conversations(): 0 text, 1 one image, 2 two images, 3 multi-turn + image, 4 video
+#: sample indices of helpers.conversations(): 0 text, 1 one image, 2 two images, 3 multi-turn + image, 4 video
 PACKS = [[1, 4, 0], [2, 3, 1], [4, 2], [3, 0]]
 
 
@@ -119,7 +118,7 @@ def run(
     from hf_packing.parallel import shard as sequence_parallel_shard
     from hf_packing.patches import sequence_parallel
     from hf_packing.testing.tiny import build_tiny_model
-    from tests.conftest import FIXTURES, load_processor, processed_samples
+    from tests.helpers import FIXTURES, load_processor, processed_samples
 
     MONKEYPATCH.undo()
     hf_packing.revert_rmpad()
@@ -198,7 +197,9 @@ def run(
         MONKEYPATCH.setattr(
             sequence_parallel_shard,
             "padded_sequences",
-            lambda seqs, p: type(seqs).from_seqlens([sequence_parallel_shard.padded_length(int(seqs.cu_seqlens[-1]), p)]),
+            lambda seqs, p: type(seqs).from_seqlens(
+                [sequence_parallel_shard.padded_length(int(seqs.cu_seqlens[-1]), p)]
+            ),
         )
     state = sequence_parallel.current_state()  # apply_rmpad's: its timer is the one the telemetry reads
     if checkpointing:  # non-reentrant: backward recomputes each layer, its all-to-alls included
@@ -322,12 +323,13 @@ def _per_shard_aux(router_logits, num_experts: int, top_k: int, sp, total: int):
 
 
 def packer_groups(size: int) -> dict:
-    """`pack_dataset(sequence_parallel_size=P)` without rank / world arguments: which samples each rank gets. Ranks of one SP group must get the same packs, groups disjoint ones."""
+    """`pack_dataset(sequence_parallel_size=P)` without rank / world arguments: which samples each rank gets. Ranks
+    of one SP group must get the same packs, groups disjoint ones."""
     from datasets import Dataset
 
     from hf_packing import pack_dataset
     from hf_packing.patches import sequence_parallel
-    from tests.conftest import load_processor
+    from tests.helpers import load_processor
 
     assert sequence_parallel.current_size() == size
     rows = [

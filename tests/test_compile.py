@@ -20,7 +20,7 @@ import torch
 import hf_packing
 from hf_packing import VisionCollator
 from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
-from tests.conftest import (
+from tests.helpers import (
     FIXTURES,
     conversations,
     load_processor,

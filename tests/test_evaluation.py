@@ -17,8 +17,7 @@ import hf_packing
 import hf_packing.training.evaluation
 from hf_packing import VisionCollator, pack_dataset, prepare_trainer
 from hf_packing.training.trainer import keep_rank_packs, no_dispatch
-from tests.conftest import FIXTURES, conversations, load_processor, processed_samples
-from tests.test_training import check_ok, launch, write_parquet
+from tests.helpers import FIXTURES, check_ok, conversations, launch, load_processor, processed_samples, write_parquet
 
 HELPER = Path(__file__).parent / "multiproc_eval.py"
 LENGTHS = (256, 1024)  # pack the same 12 samples into 7 and 2 packs

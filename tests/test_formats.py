@@ -7,13 +7,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, image, load_processor
 from PIL import Image
 
 from hf_packing.collator import RopeIndex
 from hf_packing.preprocess.formats import Conversation
 from hf_packing.preprocess.preprocessor import Preprocessor, SampleError, normalize_row
 from hf_packing.testing.tiny import tiny_config
+from tests.helpers import FIXTURES, image, load_processor
 
 
 def turns(question: str, answer: str = "A dog.") -> list[dict]:

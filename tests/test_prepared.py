@@ -15,7 +15,7 @@ import torch
 import hf_packing
 from hf_packing import VisionCollator, pack_dataset, prepare_trainer
 from hf_packing.testing.tiny import build_tiny_model, tiny_config
-from tests.conftest import FIXTURES, load_processor, processed_samples, sgd_training_args
+from tests.helpers import FIXTURES, load_processor, processed_samples, sgd_training_args
 
 MAX_LENGTH = 160
 

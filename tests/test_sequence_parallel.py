@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import torchrun
 
 from hf_packing.ops.varlen import PackedSequences
 from hf_packing.parallel import comm, shard
 from hf_packing.parallel.comm import SPGroup
 from hf_packing.parallel.state import data_parallel_rank_world
 from hf_packing.patches import sequence_parallel as sp_mod
+from tests.helpers import torchrun
 
 HELPER = Path(__file__).parent / "multiproc_sp.py"
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -188,7 +188,7 @@ def test_sp_state_lives_in_the_applied_options():
 
 
 def launch(tmp_path: Path, nproc: int, timeout: float, **config) -> list[dict]:
-    """tests/multiproc_sp.py on ``nproc`` gloo processes (conftest's `torchrun`); rank 0's results, one per run."""
+    """tests/multiproc_sp.py on ``nproc`` gloo processes (`tests.helpers.torchrun`); rank 0's results, one per run."""
     config = {"out": str(tmp_path / "out.json"), **config}
     (tmp_path / "config.json").write_text(json.dumps(config))
     t0 = time.perf_counter()
@@ -275,12 +275,11 @@ def test_trainer_recipe_with_sp2_equals_sp1(tmp_path):
     process: the same packs, the same 3 optimizer steps and evaluations."""
     import sys
 
-    from test_recipes import _write_data
-
     from hf_packing.testing.tiny import save_tiny_checkpoint
+    from tests.helpers import write_llava_jsonl
 
     model = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
-    data = _write_data(tmp_path / "data").parent
+    data = write_llava_jsonl(tmp_path / "data").parent
     helper = Path(__file__).parent / "multiproc_sp_trainer.py"
     hist = {}
     for nproc, sp in ((1, "1"), (2, "2")):

@@ -50,7 +50,7 @@ from hf_packing import VisionCollator
 from hf_packing.patches import _attention, _flatten
 from hf_packing.testing.syncs import SyncCounter
 from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
-from tests.conftest import FIXTURES, load_processor, processed_samples
+from tests.helpers import FIXTURES, load_processor, processed_samples
 
 
 def _layers(model_type: str, n: int) -> dict:

@@ -21,7 +21,7 @@ import pytest
 
 import hf_packing
 from hf_packing.testing.tiny import build_tiny_model
-from tests.conftest import FIXTURES, conversations, load_processor, processed_batch
+from tests.helpers import FIXTURES, conversations, load_processor, processed_batch
 
 UPSTREAM = os.environ.get("HF_PACKING_TRANSFORMERS_TESTS")
 TESTS = ("test_moe_models_record_router_logits", "test_output_router_logits_from_config")

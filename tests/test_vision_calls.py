@@ -11,7 +11,7 @@ import torch
 
 import hf_packing
 from hf_packing.testing.tiny import build_tiny_model
-from tests.conftest import FIXTURES, MODEL_TYPES, conversations, load_processor, processed_batch, torchrun
+from tests.helpers import FIXTURES, MODEL_TYPES, conversations, load_processor, processed_batch, torchrun
 
 
 def _count_tower_calls(model) -> list[int]:
