@@ -40,17 +40,29 @@ def test_moe_router_loss_matches():
 
 
 def test_token_level_accumulation():
-    """Two micro-batches scaled by the Trainer's num_items_in_batch give the gradient of one batch of both."""
+    """Two micro-batches scaled by the Trainer's num_items_in_batch give the loss and gradient of one batch of both:
+    the sum of the patched micro-batch losses and the accumulated gradients equal the unpatched model on the whole
+    padded batch (its mean token cross-entropy)."""
     model, processor = model_and_processor("qwen2_5_vl")
     rows = conversations(with_video=False)
     whole = processed_batch(processor, rows)
+    ref = loss_and_grads(model, whole)  # the oracle: unpatched, one padded batch
+    hf_packing.apply_rmpad("qwen2_5_vl")
     first, second = processed_batch(processor, rows[:1]), processed_batch(processor, rows[1:])
     count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in (first, second))  # the Trainer's count
-    model.zero_grad(set_to_none=True)
-    for micro in (first, second):
-        model(**micro, num_items_in_batch=torch.tensor(count)).loss.backward()
-    accumulated = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    assert_equivalent(loss_and_grads(model, whole), (loss_and_grads(model, whole)[0], accumulated), "accumulation")
+
+    def accumulate(**extra) -> tuple[float, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = 0.0
+        for micro in (first, second):
+            out = model(**micro, **extra)
+            out.loss.backward()
+            loss += out.loss.item()
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    assert_equivalent(ref, accumulate(num_items_in_batch=torch.tensor(count)), "accumulation")
+    with pytest.raises(AssertionError):  # negative control: each micro-batch's own mean, summed
+        assert_equivalent(ref, accumulate(), "per-micro-batch means")
 
 
 def test_trainer_passes_num_items_after_apply():
