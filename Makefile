@@ -18,7 +18,7 @@ LINTED := hf_packing tests recipes benchmarks
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/hf-packing demo --output-dir demo_out
