@@ -12,7 +12,7 @@ boundaries), ``out``. Optional per run: ``"linear_backend"`` (``"fla"``: the str
 tests/kernels.py, for SP = 1 and SP = P), ``"oracle"`` (also compare SP = P with the unpatched model run sample by
 sample), ``"router_aux"`` (MoE: ``output_router_logits`` on with this ``router_aux_loss_coef``; the per-pack
 ``aux_loss`` of SP = P against SP = 1), ``"aux_per_shard"`` (negative control: each rank's aux loss from its own
-tokens, as before the statistics were summed over the SP group), ``"autocast"`` (fp32 weights under bf16 autocast,
+tokens, its router statistics not summed over the SP group), ``"autocast"`` (fp32 weights under bf16 autocast,
 every kernel a strict stand-in (with ``"linear_backend": "fla"``): the errors of SP = 1 and of SP = P against fp32
 SP = 1, for the 2x rule).
 
@@ -315,7 +315,7 @@ def run(
 
 
 def _per_shard_aux(router_logits, num_experts: int, top_k: int, sp, total: int):
-    """`sequence_parallel_shard.load_balancing_loss` as it was before (the negative control): transformers'
+    """The negative control of `sequence_parallel_shard.load_balancing_loss`: transformers'
     function on this rank's shard alone, its router statistics never summed over the SP group."""
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
 

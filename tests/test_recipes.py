@@ -239,7 +239,7 @@ def test_fsdp_wrap_classes_exist_in_transformers():
 @pytest.mark.parametrize("precision", [[], ["--bf16", "true"]], ids=["fp32", "fp32+bf16_autocast"])
 def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch, precision):
     """tiny_cpu: 2 training steps on 12 rows, each followed by an evaluation on the 4 rows held out; with ``--bf16
-    true`` (the recipes' GPU setup) too, where eval_token_accuracy used to be missing."""
+    true`` (the recipes' GPU setup) too, where the evaluation must still report eval_token_accuracy."""
     try:
         from hf_packing.packing.dataset import pack_dataset  # noqa: F401
     except ImportError as error:

@@ -258,8 +258,8 @@ def test_per_source_losses_average_to_the_logged_loss(tiny_model, split_data, tm
     local_gaps = _weighted_gaps(local["log_history"])
     print(f"rank 0 alone: largest relative gap {max(local_gaps):.1e}")
     assert max(local_gaps) > 1e-4  # 10x the tolerance above
-    # issue 31, in the same launch: before it, each process trained a Trainer without prepare_trainer (dispatching off,
-    # as recipes/README.md lists), which used to train every other pack of each rank's stream and exit 0
+    # issue 31, in the same launch: each process first runs a Trainer without prepare_trainer (dispatching off, as
+    # recipes/README.md lists), which unchecked would train every other pack of each rank's stream and exit 0
     for rank in (local, local1):
         print(f"rank {rank['rank']} without prepare_trainer: {rank['unprepared_error']}")
         assert "keeps 1 of every 2 packs" in rank["unprepared_error"]
