@@ -59,7 +59,11 @@ def full_grad(p: torch.nn.Parameter) -> torch.Tensor:
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    results = [run(config, **spec) for spec in config["runs"]]
+    results = []
+    for spec in config["runs"]:  # one launch runs several comparisons: a failure's output names the one that failed
+        if dist.get_rank() == 0:
+            print(f"run {len(results)}: {spec}", flush=True)
+        results.append(run(config, **spec))
     if config.get("packer"):
         results.append(packer_groups(config["sp"]))
     if dist.get_rank() == 0:
