@@ -19,7 +19,7 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/hf-packing demo --output-dir demo_out

@@ -28,7 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # _common, tests
 import _common as C  # noqa: E402
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # Qwen3.5's flat path needs FLA (unpatched)
@@ -42,7 +42,7 @@ def measure(model_type: str) -> list[list[str]]:
     from hf_packing import VisionCollator
     from hf_packing.testing.syncs import SyncCounter
     from hf_packing.testing.tiny import build_tiny_model
-    from tests.conftest import FIXTURES, load_processor, processed_samples
+    from tests.helpers import FIXTURES, load_processor, processed_samples
 
     processor = load_processor(model_type)
     samples = processed_samples(processor)

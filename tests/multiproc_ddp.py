@@ -28,7 +28,7 @@ def main(out: str) -> None:
     rank = dist.get_rank()
     import hf_packing
     from hf_packing.testing.tiny import build_tiny_model
-    from tests.conftest import FIXTURES, conversations, load_processor, processed_batch
+    from tests.helpers import FIXTURES, conversations, load_processor, processed_batch
 
     hf_packing.apply_rmpad("qwen2_5_vl")
     torch.manual_seed(0)

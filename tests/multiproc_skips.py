@@ -18,12 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from conftest import load_processor  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: hf_packing, tests.helpers
 
 from hf_packing.packing.dataset import pack_dataset  # noqa: E402
 from hf_packing.packing.stats import TooManySkipsError  # noqa: E402
+from tests.helpers import load_processor  # noqa: E402
 
 
 def main(out: Path) -> None:

@@ -12,7 +12,7 @@ boundaries), ``out``. Optional per run: ``"linear_backend"`` (``"fla"``: the str
 tests/kernels.py, for SP = 1 and SP = P), ``"oracle"`` (also compare SP = P with the unpatched model run sample by
 sample), ``"router_aux"`` (MoE: ``output_router_logits`` on with this ``router_aux_loss_coef``; the per-pack
 ``aux_loss`` of SP = P against SP = 1), ``"aux_per_shard"`` (negative control: each rank's aux loss from its own
-tokens, as before the statistics were summed over the SP group), ``"autocast"`` (fp32 weights under bf16 autocast,
+tokens, its router statistics not summed over the SP group), ``"autocast"`` (fp32 weights under bf16 autocast,
 every kernel a strict stand-in (with ``"linear_backend": "fla"``): the errors of SP = 1 and of SP = P against fp32
 SP = 1, for the 2x rule).
 
@@ -41,10 +41,9 @@ from hf_packing.training.distributed import end_distributed, end_process
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 MONKEYPATCH = pytest.MonkeyPatch()
-#: sample indices of conftest.conversations(): 0 text, 1 one image, 2 two images, 3 multi-turn + image, 4 video
+#: sample indices of helpers.conversations(): 0 text, 1 one image, 2 two images, 3 multi-turn + image, 4 video
 PACKS = [[1, 4, 0], [2, 3, 1], [4, 2], [3, 0]]
 
 
@@ -60,7 +59,11 @@ def full_grad(p: torch.nn.Parameter) -> torch.Tensor:
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    results = [run(config, **spec) for spec in config["runs"]]
+    results = []
+    for spec in config["runs"]:  # one launch runs several comparisons: a failure's output names the one that failed
+        if dist.get_rank() == 0:
+            print(f"run {len(results)}: {spec}", flush=True)
+        results.append(run(config, **spec))
     if config.get("packer"):
         results.append(packer_groups(config["sp"]))
     if dist.get_rank() == 0:
@@ -119,7 +122,7 @@ def run(
     from hf_packing.parallel import shard as sequence_parallel_shard
     from hf_packing.patches import sequence_parallel
     from hf_packing.testing.tiny import build_tiny_model
-    from tests.conftest import FIXTURES, load_processor, processed_samples
+    from tests.helpers import FIXTURES, load_processor, processed_samples
 
     MONKEYPATCH.undo()
     hf_packing.revert_rmpad()
@@ -316,7 +319,7 @@ def run(
 
 
 def _per_shard_aux(router_logits, num_experts: int, top_k: int, sp, total: int):
-    """`sequence_parallel_shard.load_balancing_loss` as it was before (the negative control): transformers'
+    """The negative control of `sequence_parallel_shard.load_balancing_loss`: transformers'
     function on this rank's shard alone, its router statistics never summed over the SP group."""
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
 
@@ -330,7 +333,7 @@ def packer_groups(size: int) -> dict:
 
     from hf_packing import pack_dataset
     from hf_packing.patches import sequence_parallel
-    from tests.conftest import load_processor
+    from tests.helpers import load_processor
 
     assert sequence_parallel.current_size() == size
     rows = [

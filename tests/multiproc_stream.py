@@ -20,12 +20,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from conftest import image, load_processor  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: hf_packing, tests.helpers
 
 from hf_packing.packing.dataset import pack_dataset  # noqa: E402
 from hf_packing.training.distributed import end_distributed, end_process  # noqa: E402
+from tests.helpers import image, load_processor  # noqa: E402
 
 SHARDS = (5, 17, 44)
 

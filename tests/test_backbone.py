@@ -13,8 +13,7 @@ import hf_packing
 from hf_packing.ops.varlen import PackedSequences
 from hf_packing.patches import _forward, revert_rmpad
 from hf_packing.patches._spec import FAMILIES
-from tests.conftest import MODEL_TYPES, processed_batch
-from tests.test_patches import model_and_processor
+from tests.helpers import MODEL_TYPES, first_layer_tokens, model_and_processor, processed_batch
 
 HIDDEN_RTOL, GRAD_RTOL = 1e-5, 1e-4
 VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
@@ -36,17 +35,6 @@ def packed_row(model, batch: dict) -> dict:
     positions = torch.cat([text[None], mrope[:, mask]])[:, None]
     row = {k: batch[k][mask][None] for k in ("input_ids", "mm_token_type_ids")}
     return row | {"position_ids": positions} | {k: batch[k] for k in VISION_KEYS if k in batch}
-
-
-def first_layer_tokens(model) -> list[int]:
-    """Tokens the first decoder layer receives, one entry per call."""
-    seen: list[int] = []
-
-    def hook(module, args, kwargs, out) -> None:
-        seen.append((args[0] if args else kwargs["hidden_states"]).shape[:-1].numel())
-
-    model.model.language_model.layers[0].register_forward_hook(hook, with_kwargs=True)
-    return seen
 
 
 def hidden_and_grads(model, inputs: dict, real: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -11,12 +11,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FIXTURES, ROOT
 
 from hf_packing._compat import require_extra
 from hf_packing.cli import main
 from hf_packing.cli.demo import DemoConfig, run_demo
 from hf_packing.cli.stats import run_stats
+from tests.helpers import FIXTURES, ROOT
 
 
 def _without(monkeypatch, name: str) -> None:

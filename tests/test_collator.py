@@ -8,7 +8,7 @@ import torch
 import hf_packing
 from hf_packing import VisionCollator
 from hf_packing.testing.tiny import build_tiny_model, tiny_config
-from tests.conftest import FIXTURES, conversations, load_processor, processed_samples
+from tests.helpers import FIXTURES, conversations, load_processor, processed_samples
 
 A = {"input_ids": [1, 2, 3], "labels": [1, 2, 3]}
 B = {"input_ids": [4, 5, 6, 7, 8], "labels": [-100, -100, 6, 7, 8]}

@@ -20,7 +20,7 @@ import torch
 import hf_packing
 from hf_packing import VisionCollator
 from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
-from tests.conftest import (
+from tests.helpers import (
     FIXTURES,
     conversations,
     load_processor,
@@ -189,7 +189,7 @@ def _train_three_steps(tmp_path, model_type: str, packs: list, *, compile: bool)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, stats
 
 
-@pytest.mark.slow  # about 3 minutes on 2 loaded CPU cores: dynamo traces the vision tower piece by piece
+@pytest.mark.slow  # dynamo traces the vision tower piece by piece
 def test_trainer_with_torch_compile_trains_like_eager(tmp_path):
     """``TrainingArguments(torch_compile=True)`` (the Trainer wraps the model in ``torch.compile``, graph breaks
     allowed) on the patched model: 3 steps on 3 collator packs (text; 2 images; multi-turn with an image) give the

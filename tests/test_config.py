@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import load_processor
 from datasets import Dataset
 from transformers import HfArgumentParser
 
 from hf_packing import PackingConfig
 from hf_packing.packing.dataset import pack_dataset
+from tests.helpers import load_processor
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = PackingConfig.names()

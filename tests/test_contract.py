@@ -14,8 +14,14 @@ import pytest
 import torch
 
 import hf_packing
-from tests.conftest import MODEL_TYPES, conversations, processed_batch
-from tests.test_patches import assert_equivalent, loss_and_grads, model_and_processor
+from tests.helpers import (
+    MODEL_TYPES,
+    assert_equivalent,
+    conversations,
+    loss_and_grads,
+    model_and_processor,
+    processed_batch,
+)
 
 DOCS = ("Hello there, how are you today my friend?", "The quick brown fox jumps over the lazy dog.", "Short one.")
 

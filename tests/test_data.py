@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import image, load_processor, video
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -21,6 +20,7 @@ from hf_packing.preprocess.errors import SampleError, SkipCounter
 from hf_packing.preprocess.formats import normalize_row
 from hf_packing.preprocess.images import to_rgb
 from hf_packing.preprocess.preprocessor import Preprocessor
+from tests.helpers import image, load_processor, video
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")

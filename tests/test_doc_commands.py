@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, ROOT, image
+
+from tests.helpers import FIXTURES, ROOT, image
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "recipes" / "README.md"]
 STARTS = ("python ", "accelerate launch ", "hf-packing ", "make ", "pip install ", "torchrun ", "--")

@@ -17,8 +17,7 @@ import hf_packing
 import hf_packing.training.evaluation
 from hf_packing import VisionCollator, pack_dataset, prepare_trainer
 from hf_packing.training.trainer import keep_rank_packs, no_dispatch
-from tests.conftest import FIXTURES, conversations, load_processor, processed_samples
-from tests.test_training import check_ok, launch, write_parquet
+from tests.helpers import FIXTURES, check_ok, conversations, launch, load_processor, processed_samples, write_parquet
 
 HELPER = Path(__file__).parent / "multiproc_eval.py"
 LENGTHS = (256, 1024)  # pack the same 12 samples into 7 and 2 packs
@@ -337,8 +336,8 @@ def within_twice_plain(name: str, fast: float, plain: float, exact: float, n: in
 def test_token_accuracy_in_every_precision(tmp_path, tiny_model, processor, eval_file, reference, precision):
     """evaluate() reports eval_token_accuracy with fp32 weights, bf16 weights and fp32 + bf16 autocast
     (``bf16=True``), with and without compute_metrics: fp32 equal to the unpatched model's argmax accuracy sample by
-    sample, low precision within 2x the plain (unpatched, same precision) error. Under autocast it used to vanish:
-    accelerate's ``convert_outputs_to_fp32`` rebuilds the output and drops the patched forward's count attributes.
+    sample, low precision within 2x the plain (unpatched, same precision) error. Under autocast accelerate's
+    ``convert_outputs_to_fp32`` rebuilds the output and drops the patched forward's count attributes.
     Negative control: reading the counts from the output alone (no recording) loses the metric under autocast."""
     dtype, autocast = PRECISIONS[precision]
     packs = _packs(eval_file, processor, LENGTHS[0])

@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, image, load_processor
 from PIL import Image
 
 from hf_packing.collator import RopeIndex
@@ -15,6 +14,7 @@ from hf_packing.preprocess.errors import SampleError
 from hf_packing.preprocess.formats import Conversation, normalize_row
 from hf_packing.preprocess.preprocessor import Preprocessor
 from hf_packing.testing.tiny import tiny_config
+from tests.helpers import FIXTURES, image, load_processor
 
 
 def turns(question: str, answer: str = "A dog.") -> list[dict]:

@@ -25,7 +25,7 @@ import torch
 import hf_packing
 from hf_packing.patches._call import ForwardSignature
 from hf_packing.testing.tiny import build_tiny_model
-from tests.conftest import FIXTURES, conversations, image, load_processor, processed_batch
+from tests.helpers import FIXTURES, conversations, image, load_processor, processed_batch
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 

@@ -17,7 +17,7 @@ import torch
 import hf_packing
 from hf_packing import _compat
 from hf_packing.testing.tiny import build_tiny_model
-from tests.conftest import FIXTURES, MODEL_TYPES, conversations, load_processor, processed_batch
+from tests.helpers import FIXTURES, MODEL_TYPES, conversations, load_processor, processed_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -94,9 +94,7 @@ def test_fla_linear_attention_equals_each_sample_alone_within_2x(model_type, set
     if _compat.fla_linear_ops() is None:
         pytest.skip("flash-linear-attention not installed (pip install 'hf_packing[linear]')")
     from hf_packing import VisionCollator
-    from tests.conftest import processed_samples
-    from tests.test_precision import assert_within_2x
-    from tests.test_qwen3_5 import each_sample_alone
+    from tests.helpers import assert_within_2x, each_sample_alone, processed_samples
 
     autocast = setup == "fp32_weights_autocast"
     processor = load_processor(model_type)

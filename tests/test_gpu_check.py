@@ -60,7 +60,7 @@ def test_a_failing_stage_does_not_stop_the_next_and_the_summary_is_printed_last(
     assert "tests: no junit xml" in summary
 
 
-@pytest.mark.slow  # 12-26 s on 2 loaded cores: torch + transformers imported three times
+@pytest.mark.slow  # torch + transformers imported three times
 def test_dry_run_writes_logs_junit_and_the_bench_table(tmp_path):
     proc, out = run_check(tmp_path, GPU_CHECK_TESTS="tests/test_gpu.py")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -7,15 +7,14 @@ import os
 from pathlib import Path
 
 import pytest
-import test_stream
 from torch.utils.data import DataLoader
 
 from hf_packing.packing.length_index import build_length_index, index_key
 from hf_packing.packing.replica import preprocessors
 from hf_packing.preprocess.preprocessor import META_COLUMNS, Preprocessor
-
-ROWS, ids, make = test_stream.ROWS, test_stream.ids, test_stream.make
-data, reference = test_stream.data, test_stream.reference  # its module-scoped fixtures
+from tests.helpers import STREAM_ROWS as ROWS
+from tests.helpers import make_packs as make
+from tests.helpers import pack_ids as ids
 
 
 @pytest.fixture

@@ -10,35 +10,14 @@ import torch
 
 import hf_packing
 from hf_packing.patches import revert_rmpad
-from hf_packing.testing.tiny import build_tiny_model
-from tests.conftest import FIXTURES, MODEL_TYPES, conversations, load_processor, processed_batch
-
-LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
-
-
-def loss_and_grads(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    out = model(**batch)
-    out.loss.backward()
-    return out.loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_equivalent(ref, got, label: str = "") -> None:
-    (ref_loss, ref_grads), (loss, grads) = ref, got
-    loss_err = abs(loss - ref_loss) / abs(ref_loss)
-    assert ref_grads.keys() == grads.keys(), set(ref_grads) ^ set(grads)
-    errs = {n: ((grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in ref_grads.items()}
-    worst = max(errs, key=errs.get)
-    print(
-        f"{label}: loss {ref_loss:.6f} vs {loss:.6f} (rel {loss_err:.2e}); worst grad rel {errs[worst]:.2e} ({worst})"
-    )
-    assert loss_err <= LOSS_RTOL
-    assert errs[worst] <= GRAD_RTOL, worst
-
-
-def model_and_processor(model_type: str, padding_side: str = "right"):
-    processor = load_processor(model_type, padding_side)
-    return build_tiny_model(model_type, processor_dir=FIXTURES / model_type), processor
+from tests.helpers import (
+    MODEL_TYPES,
+    assert_equivalent,
+    conversations,
+    loss_and_grads,
+    model_and_processor,
+    processed_batch,
+)
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])
@@ -61,18 +40,29 @@ def test_moe_router_loss_matches():
 
 
 def test_token_level_accumulation():
-    """Two micro-batches scaled by the Trainer's num_items_in_batch give the gradient of one batch of both."""
+    """Two micro-batches scaled by the Trainer's num_items_in_batch give the loss and gradient of one batch of both:
+    the sum of the patched micro-batch losses and the accumulated gradients equal the unpatched model on the whole
+    padded batch (its mean token cross-entropy)."""
     model, processor = model_and_processor("qwen2_5_vl")
     rows = conversations(with_video=False)
-    hf_packing.apply_rmpad("qwen2_5_vl")
     whole = processed_batch(processor, rows)
+    ref = loss_and_grads(model, whole)  # the oracle: unpatched, one padded batch
+    hf_packing.apply_rmpad("qwen2_5_vl")
     first, second = processed_batch(processor, rows[:1]), processed_batch(processor, rows[1:])
     count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in (first, second))  # the Trainer's count
-    model.zero_grad(set_to_none=True)
-    for micro in (first, second):
-        model(**micro, num_items_in_batch=torch.tensor(count)).loss.backward()
-    accumulated = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    assert_equivalent(loss_and_grads(model, whole), (loss_and_grads(model, whole)[0], accumulated), "accumulation")
+
+    def accumulate(**extra) -> tuple[float, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = 0.0
+        for micro in (first, second):
+            out = model(**micro, **extra)
+            out.loss.backward()
+            loss += out.loss.item()
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    assert_equivalent(ref, accumulate(num_items_in_batch=torch.tensor(count)), "accumulation")
+    with pytest.raises(AssertionError):  # negative control: each micro-batch's own mean, summed
+        assert_equivalent(ref, accumulate(), "per-micro-batch means")
 
 
 def test_trainer_passes_num_items_after_apply():
@@ -249,7 +239,7 @@ def test_collated_pack_patched_equals_unpatched(model_type, mode):
     the step) the patched model equals the unpatched one on the same samples as padded rows; a video comes before the
     images, so the DeepStack families place them as one kind in row order, not images first."""
     from hf_packing import VisionCollator
-    from tests.conftest import processed_samples
+    from tests.helpers import processed_samples
 
     model, processor = model_and_processor(model_type)
     samples = processed_samples(processor)

@@ -18,9 +18,8 @@ import torch
 
 import hf_packing
 from hf_packing.ops.varlen import varlen_attention
-from tests.conftest import MODEL_TYPES, conversations, processed_batch, torchrun
+from tests.helpers import MODEL_TYPES, assert_within_2x, conversations, model_and_processor, processed_batch, torchrun
 from tests.kernels import KernelContractError, install_kernel
-from tests.test_patches import model_and_processor
 
 KERNELS = ("flash_attn", "torch_varlen")
 
@@ -32,21 +31,6 @@ def _run(model, batch, autocast: bool) -> tuple[float, torch.Tensor]:
     out.loss.backward()
     grads = [p.grad.float().flatten() for _, p in sorted(model.named_parameters()) if p.grad is not None]
     return out.loss.float().item(), torch.cat(grads)
-
-
-def _errors(ref, run) -> tuple[float, float]:
-    (ref_loss, ref_grads), (loss, grads) = ref, run
-    return abs(loss - ref_loss) / abs(ref_loss), ((grads - ref_grads).norm() / ref_grads.norm()).item()
-
-
-def assert_within_2x(ref, plain, patched, label: str) -> None:
-    plain_err, patched_err = _errors(ref, plain), _errors(ref, patched)
-    print(
-        f"{label}: loss err plain {plain_err[0]:.2e} patched {patched_err[0]:.2e}; "
-        f"grad err plain {plain_err[1]:.2e} patched {patched_err[1]:.2e}"
-    )
-    assert patched_err[0] <= 2 * plain_err[0] + 1e-3, "loss"
-    assert patched_err[1] <= 2 * plain_err[1], "grads"
 
 
 def _three_runs(model_type: str, monkeypatch, kernel: str, *, autocast: bool, rows=None, prepare=None):
@@ -193,7 +177,7 @@ def test_moe_aux_loss_keeps_its_weight_under_accumulation_in_the_trainer():
     """qwen3_vl_moe with the router aux loss, gradient accumulation 2: one Trainer step of the patched model equals
     the unpatched model's (micro-batches with equal supervised counts, so mean-of-means == token-level CE). Before
     the aux term was scaled, it weighed ``accumulation`` times too much there."""
-    from tests.test_patches import assert_equivalent
+    from tests.helpers import assert_equivalent
 
     model, processor = model_and_processor("qwen3_vl_moe")
     model.config.text_config.output_router_logits = True

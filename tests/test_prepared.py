@@ -15,7 +15,7 @@ import torch
 import hf_packing
 from hf_packing import VisionCollator, pack_dataset, prepare_trainer
 from hf_packing.testing.tiny import build_tiny_model, tiny_config
-from tests.conftest import FIXTURES, load_processor, processed_samples, sgd_training_args
+from tests.helpers import FIXTURES, load_processor, processed_samples, sgd_training_args
 
 MAX_LENGTH = 160
 
@@ -69,8 +69,8 @@ def _weights(model) -> dict[str, torch.Tensor]:
 )
 def test_a_trainer_without_prepare_trainer_stops_at_its_first_step(tmp_path, accelerator_config, match):
     """Without `prepare_trainer` the first forward raises an error naming it, before any optimizer step (one process:
-    accelerate's dispatching used to give a deep IndexError / rotary RuntimeError). Negative control: prepared, the
-    same Trainer setup trains."""
+    unchecked, accelerate's dispatching fails deep inside, an IndexError or a rotary RuntimeError). Negative control:
+    prepared, the same Trainer setup trains."""
     model = _model()
     before = _weights(model)
     extra = {} if accelerator_config is None else {"accelerator_config": accelerator_config}

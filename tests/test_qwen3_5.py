@@ -20,26 +20,23 @@ from hf_packing import VisionCollator
 from hf_packing.ops import linear_attention
 from hf_packing.ops.varlen import PackedSequences
 from hf_packing.patches import is_applied
-from tests.conftest import load_processor, processed_batch, processed_samples
+from tests.helpers import (
+    GRAD_RTOL,
+    LOSS_RTOL,
+    ROW_KEYS,
+    assert_equivalent,
+    assert_within_2x,
+    each_sample_alone,
+    load_processor,
+    loss_and_grads,
+    model_and_processor,
+    processed_batch,
+    processed_samples,
+)
 from tests.kernels import KernelContractError, install_linear_kernels
-from tests.test_patches import GRAD_RTOL, LOSS_RTOL, assert_equivalent, loss_and_grads, model_and_processor
-from tests.test_precision import assert_within_2x
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
 LAYOUTS = ("padded_right", "padded_left", "packed_cu_seqlens", "packed_position_ids")
-ROW_KEYS = ("input_ids", "labels", "attention_mask", "mm_token_type_ids")
-
-
-def each_sample_alone(model, samples) -> tuple[float, dict[str, torch.Tensor]]:
-    """Token-level loss and gradients of the samples run one by one, unpadded (on whatever model is given)."""
-    counts = [int((s["labels"][1:] != -100).sum()) for s in samples]
-    total, loss_sum = sum(counts), 0.0
-    model.zero_grad(set_to_none=True)
-    for sample, count in zip(samples, counts):
-        out = model(**{k: (v[None] if k in ROW_KEYS else v) for k, v in sample.items()})
-        (out.loss * count / total).backward()
-        loss_sum += out.loss.item() * count
-    return loss_sum / total, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @functools.cache

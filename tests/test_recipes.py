@@ -14,7 +14,8 @@ from unittest import mock
 import pytest
 import torch
 import yaml
-from conftest import image, torchrun
+
+from tests.helpers import torchrun, write_llava_jsonl
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TRAIN_CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
@@ -235,27 +236,10 @@ def test_fsdp_wrap_classes_exist_in_transformers():
 
 
 # ------------------------------------------------------------------------------------------ end to end
-def _write_data(root: Path) -> Path:
-    """A LLaVA-style jsonl (text-only, one- and two-image rows) and two PNGs under root/images."""
-    (root / "images").mkdir(parents=True)
-    image(56, 84, 1).save(root / "images" / "a.png")
-    image(112, 56, 2).save(root / "images" / "b.png")
-    turn = lambda human, gpt: [{"from": "human", "value": human}, {"from": "gpt", "value": gpt}]  # noqa: E731
-    rows = [
-        {"conversations": turn("<image>\nDescribe the image.", "A red car near a small house."), "images": ["a.png"]},
-        {"conversations": turn("Hi", "Hello, how can I help?"), "images": []},
-        {"conversations": turn("<image>\n<image>\nCompare them.", "The first is wider."), "images": ["a.png", "b.png"]},
-        {"conversations": turn("What colour is the sky?", "Blue, mostly."), "images": []},
-    ] * 4
-    path = root / "train.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 @pytest.mark.parametrize("precision", [[], ["--bf16", "true"]], ids=["fp32", "fp32+bf16_autocast"])
 def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch, precision):
     """tiny_cpu: 2 training steps on 12 rows, each followed by an evaluation on the 4 rows held out; with ``--bf16
-    true`` (the recipes' GPU setup) too, where eval_token_accuracy used to be missing."""
+    true`` (the recipes' GPU setup) too, where the evaluation must still report eval_token_accuracy."""
     try:
         from hf_packing.packing.dataset import pack_dataset  # noqa: F401
     except ImportError as error:
@@ -265,7 +249,7 @@ def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch, pr
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     model_dir = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
-    data = _write_data(tmp_path / "data")
+    data = write_llava_jsonl(tmp_path / "data")
     trainer = train.main(
         [
             str(RECIPES / "configs/tiny_cpu.yaml"),
@@ -334,7 +318,7 @@ def test_train_py_on_two_processes_trains_evaluates_and_exits_0(tmp_path):
     from hf_packing.testing.tiny import save_tiny_checkpoint
 
     model_dir = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
-    data = _write_data(tmp_path / "data")
+    data = write_llava_jsonl(tmp_path / "data")
     args = ["--model_name_or_path", str(model_dir), "--dataset_path", str(data)]
     args += ["--image_root", str(tmp_path / "data" / "images"), "--output_dir", str(tmp_path / "out")]
     proc = torchrun(RECIPES / "train.py", str(RECIPES / "configs/tiny_cpu.yaml"), *args, timeout=300)

@@ -1,12 +1,14 @@
 """Ulysses sequence parallelism: the sharding helpers on literal inputs, and SP = 2 / 4 against SP = 1 under gloo.
 
 The multi-process tests launch tests/multiproc_sp.py with torchrun in their own process group with a timeout, so a
-hang fails the test instead of hanging CI. Each compares, for Qwen2.5-VL and Qwen3-VL (DeepStack), the loss the
-Trainer would log and every parameter's gradient as DDP / FSDP2 combine them, against SP = 1 on the same packs
-(images and a video; lengths that are and are not multiples of P). The negative controls (positions computed after
-sharding, boundaries dropped) must fail the same comparison. Qwen3.5 / Qwen3.5-MoE (Gated DeltaNet layers on head
-shards) are also compared with the unpatched model run sample by sample, on both linear-attention backends (FLA
-through the strict stand-ins); the MoE aux loss (router statistics summed over the SP group) with SP = 1's.
+hang fails the test instead of hanging CI; one launch per process count and mode runs every comparison the tests of
+that setting read (module-scoped fixtures), so each launch checks several things. Each compares, for Qwen2.5-VL and
+Qwen3-VL (DeepStack), the loss the Trainer would log and every parameter's gradient as DDP / FSDP2 combine them,
+against SP = 1 on the same packs (images and a video; lengths that are and are not multiples of P). The negative
+controls (positions computed after sharding, boundaries dropped) must fail the same comparison. Qwen3.5 /
+Qwen3.5-MoE (Gated DeltaNet layers on head shards) are also compared with the unpatched model run sample by sample,
+on both linear-attention backends (FLA through the strict stand-ins); the MoE aux loss (router statistics summed
+over the SP group) with SP = 1's.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import torchrun
 
 from hf_packing.ops.varlen import PackedSequences
 from hf_packing.parallel import comm, shard
 from hf_packing.parallel.comm import SPGroup
 from hf_packing.parallel.state import data_parallel_rank_world
 from hf_packing.patches import sequence_parallel as sp_mod
+from tests.helpers import torchrun
 
 HELPER = Path(__file__).parent / "multiproc_sp.py"
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -188,7 +190,7 @@ def test_sp_state_lives_in_the_applied_options():
 
 
 def launch(tmp_path: Path, nproc: int, timeout: float, **config) -> list[dict]:
-    """tests/multiproc_sp.py on ``nproc`` gloo processes (conftest's `torchrun`); rank 0's results, one per run."""
+    """tests/multiproc_sp.py on ``nproc`` gloo processes (`tests.helpers.torchrun`); rank 0's results, one per run."""
     config = {"out": str(tmp_path / "out.json"), **config}
     (tmp_path / "config.json").write_text(json.dumps(config))
     t0 = time.perf_counter()
@@ -225,28 +227,76 @@ def check_equal(result: dict, size: int) -> None:
     assert result["telemetry_tokens_ok"] and result["telemetry_sp_padding_ok"] and result["comm_seconds"] > 0, result
 
 
+#: the runs of each launch, by name; a test reads the results of its own runs (the launch fixtures run them all)
+SP2_DENSE = {
+    "qwen2_5_vl": {"family": "qwen2_5_vl", "control": None},
+    "qwen3_vl": {"family": "qwen3_vl", "control": None},
+    "control_positions": {"family": "qwen2_5_vl", "control": "positions"},
+    "control_boundaries": {"family": "qwen3_vl", "control": "boundaries"},
+}
+SP4_DENSE = {
+    "qwen2_5_vl": {"family": "qwen2_5_vl", "control": None},
+    "qwen3_vl_checkpointing": {"family": "qwen3_vl", "control": None, "checkpointing": True},
+}
+SP2_LINEAR = {
+    "qwen3_5": {"family": "qwen3_5", "control": None, "oracle": True},
+    "qwen3_5_moe_checkpointing": {"family": "qwen3_5_moe", "control": None, "oracle": True, "checkpointing": True},
+    "qwen3_5_fla": {"family": "qwen3_5", "control": None, "oracle": True, "linear_backend": "fla"},
+    "qwen3_5_moe_fla_autocast": {"family": "qwen3_5_moe", "control": None, "linear_backend": "fla", "autocast": True},
+    "control_conv_window": {"family": "qwen3_5", "control": "conv_window"},
+    "control_recurrent_state": {"family": "qwen3_5_moe", "control": "recurrent_state", "linear_backend": "fla"},
+}
+SP4_LINEAR = {
+    "qwen3_5": {"family": "qwen3_5", "control": None, "oracle": True},
+    "qwen3_5_moe_fla": {"family": "qwen3_5_moe", "control": None, "oracle": True, "linear_backend": "fla"},
+}
+SP2_MOE_AUX = {
+    "qwen3_vl_moe": {"family": "qwen3_vl_moe", "control": None, "router_aux": 0.01},
+    "qwen3_5_moe": {"family": "qwen3_5_moe", "control": None, "router_aux": 0.01},
+    "control_aux_per_shard": {"family": "qwen3_vl_moe", "control": None, "router_aux": 0.01, "aux_per_shard": True},
+}
+
+
+def launch_runs(tmp_path: Path, nproc: int, sp: int, groups: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """One DDP launch of every run of ``groups`` ({group: {run: spec}}); {group: {run: rank 0's result}}."""
+    specs = [(group, name, spec) for group, runs in groups.items() for name, spec in runs.items()]
+    results = launch(tmp_path, nproc, 540, sp=sp, mode="ddp", runs=[spec for _, _, spec in specs])
+    out: dict[str, dict] = {group: {} for group in groups}
+    for (group, name, _), result in zip(specs, results, strict=True):
+        out[group][name] = result
+    return out
+
+
+@pytest.fixture(scope="module")
+def sp2_ddp(tmp_path_factory) -> dict[str, dict]:
+    """SP = 2 on 2 processes under DDP: one launch for the dense, linear-attention and MoE aux-loss tests."""
+    groups = {"dense": SP2_DENSE, "linear": SP2_LINEAR, "moe_aux": SP2_MOE_AUX}
+    return launch_runs(tmp_path_factory.mktemp("sp2_ddp"), 2, 2, groups)
+
+
+@pytest.fixture(scope="module")
+def sp4_ddp(tmp_path_factory) -> dict[str, dict]:
+    """SP = 4 on 4 processes under DDP: one launch for the dense and linear-attention tests."""
+    return launch_runs(tmp_path_factory.mktemp("sp4_ddp"), 4, 4, {"dense": SP4_DENSE, "linear": SP4_LINEAR})
+
+
 @pytest.mark.multiproc
-def test_sp2_equals_sp1_and_negative_controls_fail(tmp_path):
-    runs = [
-        {"family": "qwen2_5_vl", "control": None},
-        {"family": "qwen3_vl", "control": None},
-        {"family": "qwen2_5_vl", "control": "positions"},
-        {"family": "qwen3_vl", "control": "boundaries"},
-    ]
-    results = launch(tmp_path, 2, 240, sp=2, mode="ddp", runs=runs)
-    for result in results[:2]:
-        check_equal(result, 2)
-    for result in results[2:]:
+def test_sp2_equals_sp1_and_negative_controls_fail(sp2_ddp):
+    results = sp2_ddp["dense"]
+    for name in ("qwen2_5_vl", "qwen3_vl"):
+        check_equal(results[name], 2)
+    for name in ("control_positions", "control_boundaries"):
+        result = results[name]
         assert result["loss_rel"] > LOSS_TOL or result["grad_rel"] > GRAD_TOL, result
         assert result["grad_rel"] > 100 * GRAD_TOL, result
 
 
 @pytest.mark.multiproc
-def test_sp4_equals_sp1_with_replicated_kv_heads(tmp_path):
+def test_sp4_equals_sp1_with_replicated_kv_heads(sp4_ddp):
     """4 query heads, 2 KV heads: P = 4 replicates each KV head twice. Qwen3-VL with gradient checkpointing (the
     backward recomputes the all-to-alls)."""
-    runs = [{"family": "qwen2_5_vl", "control": None}, {"family": "qwen3_vl", "control": None, "checkpointing": True}]
-    for result in launch(tmp_path, 4, 300, sp=4, mode="ddp", runs=runs):
+    assert set(sp4_ddp["dense"]) == set(SP4_DENSE)
+    for result in sp4_ddp["dense"].values():
         check_equal(result, 4)
 
 
@@ -275,12 +325,11 @@ def test_trainer_recipe_with_sp2_equals_sp1(tmp_path):
     process: the same packs, the same 3 optimizer steps and evaluations."""
     import sys
 
-    from test_recipes import _write_data
-
     from hf_packing.testing.tiny import save_tiny_checkpoint
+    from tests.helpers import write_llava_jsonl
 
     model = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
-    data = _write_data(tmp_path / "data").parent
+    data = write_llava_jsonl(tmp_path / "data").parent
     helper = Path(__file__).parent / "multiproc_sp_trainer.py"
     hist = {}
     for nproc, sp in ((1, "1"), (2, "2")):
@@ -313,54 +362,42 @@ def check_linear(result: dict, size: int) -> None:
 
 
 @pytest.mark.multiproc
-def test_qwen3_5_sp2_equals_sp1_and_each_sample_alone(tmp_path):
+def test_qwen3_5_sp2_equals_sp1_and_each_sample_alone(sp2_ddp):
     """2 key / 4 value heads: one of each per rank; Qwen3.5-MoE under non-reentrant gradient checkpointing (the
     backward recomputes the linear layers' all-to-alls), and under bf16 autocast. Negative controls: on the head
     shards, the conv window (exact reference) or the recurrent state (FLA stand-ins) not restarted at the pack's
     boundaries."""
-    runs = [
-        {"family": "qwen3_5", "control": None, "oracle": True},
-        {"family": "qwen3_5_moe", "control": None, "oracle": True, "checkpointing": True},
-        {"family": "qwen3_5", "control": None, "oracle": True, "linear_backend": "fla"},
-        {"family": "qwen3_5_moe", "control": None, "linear_backend": "fla", "autocast": True},
-        {"family": "qwen3_5", "control": "conv_window"},
-        {"family": "qwen3_5_moe", "control": "recurrent_state", "linear_backend": "fla"},
-    ]
-    results = launch(tmp_path, 2, 300, sp=2, mode="ddp", runs=runs)
-    for result in results[:3]:
-        check_linear(result, 2)
+    results = sp2_ddp["linear"]
+    for name in ("qwen3_5", "qwen3_5_moe_checkpointing", "qwen3_5_fla"):
+        check_linear(results[name], 2)
     # fp32 weights + bf16 autocast (the recipes' setup), FLA and flash_attn stand-ins: bf16 reaches the linear
     # kernels, and SP's error against fp32 is within 2x of SP = 1's under the same autocast
-    amp = results[3]["amp_errors"]
-    assert results[3]["fla_dtypes_sp"] == ["torch.bfloat16"] and results[3]["fla_calls_sp"]["causal_conv1d"] == 3
+    autocast = results["qwen3_5_moe_fla_autocast"]
+    amp = autocast["amp_errors"]
+    assert autocast["fla_dtypes_sp"] == ["torch.bfloat16"] and autocast["fla_calls_sp"]["causal_conv1d"] == 3
     assert amp["sp"][0] <= 2 * amp["sp1"][0] + 1e-3 and amp["sp"][1] <= 2 * amp["sp1"][1], amp
-    for result in results[4:]:  # (the loss of a random tiny model, near ln(vocab) for any input, moves less)
+    for name in ("control_conv_window", "control_recurrent_state"):
+        # (the loss of a random tiny model, near ln(vocab) for any input, moves less)
+        result = results[name]
         assert result["grad_rel"] > 100 * GRAD_TOL and result["logits_rel"] > 100 * GRAD_TOL, result
 
 
 @pytest.mark.multiproc
-def test_qwen3_5_sp4_equals_sp1_with_replicated_key_heads(tmp_path):
+def test_qwen3_5_sp4_equals_sp1_with_replicated_key_heads(sp4_ddp):
     """P = 4 > 2 key heads: each key head is replicated twice after the conv (all-gathered q / k channels)."""
-    runs = [
-        {"family": "qwen3_5", "control": None, "oracle": True},
-        {"family": "qwen3_5_moe", "control": None, "oracle": True, "linear_backend": "fla"},
-    ]
-    for result in launch(tmp_path, 4, 300, sp=4, mode="ddp", runs=runs):
+    assert set(sp4_ddp["linear"]) == set(SP4_LINEAR)
+    for result in sp4_ddp["linear"].values():
         check_linear(result, 4)
 
 
 @pytest.mark.multiproc
-def test_moe_aux_loss_sp2_equals_sp1(tmp_path):
+def test_moe_aux_loss_sp2_equals_sp1(sp2_ddp):
     """output_router_logits on, router_aux_loss_coef 0.01 (the issue's setting): each pack's aux_loss at SP = 2
     equals SP = 1's, and so do the loss and every gradient. Negative control: the aux loss from each rank's own
-    tokens (transformers' function on the shard), as before."""
-    runs = [
-        {"family": "qwen3_vl_moe", "control": None, "router_aux": 0.01},
-        {"family": "qwen3_5_moe", "control": None, "router_aux": 0.01},
-        {"family": "qwen3_vl_moe", "control": None, "router_aux": 0.01, "aux_per_shard": True},
-    ]
-    *results, per_shard = launch(tmp_path, 2, 300, sp=2, mode="ddp", runs=runs)
-    for result in results:
-        check_equal(result, 2)
-        assert result["aux_rel"] <= 1e-6, result
+    tokens (transformers' function on the shard)."""
+    results = sp2_ddp["moe_aux"]
+    for name in ("qwen3_vl_moe", "qwen3_5_moe"):
+        check_equal(results[name], 2)
+        assert results[name]["aux_rel"] <= 1e-6, results[name]
+    per_shard = results["control_aux_per_shard"]
     assert per_shard["aux_rel"] > 1e-4 and per_shard["grad_rel"] > 100 * GRAD_TOL, per_shard

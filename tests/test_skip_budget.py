@@ -9,12 +9,12 @@ import logging
 from pathlib import Path
 
 import pytest
-from conftest import image, load_processor, torchrun
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from hf_packing.packing.dataset import pack_dataset
 from hf_packing.packing.stats import NoSamplesError, TooManySkipsError
+from tests.helpers import image, load_processor, torchrun
 
 
 def row(i: int, picture: str | None = None, words: int = 3) -> dict:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hf_packing import VisionCollator, pack_dataset
 from hf_packing.ops.loss import linear_cross_entropy_sum, token_sources
 from hf_packing.packing.source_ids import SourceTagger, per_source_metrics
-from tests.conftest import load_processor
+from tests.helpers import load_processor
 
 
 # ------------------------------------------------------------------------------------------ tagging

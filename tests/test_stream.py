@@ -10,61 +10,18 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from conftest import image, load_processor, torchrun
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from hf_packing.packing.dataset import pack_dataset
 from hf_packing.preprocess.errors import SampleError
 from hf_packing.preprocess.preprocessor import Preprocessor
-
-ROWS = 48
-
-
-def _rows(root: Path, n: int, seed: int, tag: str = "") -> list[dict]:
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        k = int(rng.choice([0, 1, 1, 1, 2, 3]))
-        names = []
-        for j in range(k):
-            name = f"{tag}{i}_{j}.jpg"
-            image(int(rng.integers(20, 300)), int(rng.integers(20, 300)), seed * 1000 + i * 10 + j).save(root / name)
-            names.append(name)
-        question = "<image>" * k + "\nDescribe " + "and this " * int(rng.integers(0, 20))
-        answer = f"{tag}answer " + "word " * int(rng.integers(1, 120))
-        rows.append(
-            {"image": names, "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
-        )
-    return rows
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("images")
-    rows = _rows(root, ROWS, 0)
-    rows[5]["image"] = ["missing.jpg"]  # skipped while planning: missing_file
-    rows[9]["conversations"][1]["value"] = "long " * 900  # skipped while planning: overlong
-    return {"root": root, "ds": Dataset.from_list(rows), "processor": load_processor("qwen2_vl")}
-
-
-def make(data, ds=None, **kw):
-    kw = {"max_length": 512, "buffer_size": 16, "image_root": str(data["root"]), "disable_progress": True, **kw}
-    return pack_dataset(data["ds"] if ds is None else ds, data["processor"], **kw)
-
-
-def ids(packs) -> list[list[int]]:
-    return [[s["index"] for s in pack] for pack in packs]
-
-
-@pytest.fixture(scope="module")
-def reference(data):
-    train = make(data)
-    packs = list(train)
-    return {"packs": packs, "ids": ids(packs), "stats": train.stats(log=False)}
+from tests.helpers import STREAM_ROWS as ROWS
+from tests.helpers import image, image_rows, load_processor, torchrun
+from tests.helpers import make_packs as make
+from tests.helpers import pack_ids as ids
 
 
 def test_map_style_and_streaming_give_the_same_packs(data, reference):
@@ -283,9 +240,9 @@ def test_a_process_exiting_with_a_live_iterator_stops_its_thread_first(tmp_path,
 import atexit, sys, threading
 alive = lambda: [t for t in threading.enumerate() if t.name.startswith("hf_packing-") and t.is_alive()]
 atexit.register(lambda: print("producers after the hook:", len(alive()), flush=True))  # runs after stream's hook
-sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]  # conftest, this checkout
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})  # this checkout: hf_packing, tests.helpers
 from datasets import Dataset
-from conftest import load_processor
+from tests.helpers import load_processor
 from hf_packing.packing import dataset as stream
 from hf_packing.packing import producer
 if not {hook}:
@@ -313,7 +270,7 @@ print("producers at exit:", len(alive()), flush=True)
 
 
 def test_mixing_keeps_per_source_counts(data, tmp_path):
-    other = Dataset.from_list(_rows(tmp_path, 40, 1, tag="b"))
+    other = Dataset.from_list(image_rows(tmp_path, 40, 1, tag="b"))
     for streaming in (False, True):
         sources = {"a": data["ds"], "b": other}
         if streaming:

@@ -10,24 +10,24 @@ checkpointing, with ``num_items_in_batch`` as the Trainer passes it, and require
 - none of the three from hf_packing;
 - the same totals, every origin, in every setting (nothing grows with layers or sequences, nothing is added by a
   mode or by recomputation);
-- at most `REMAINING` in all, every origin (0 of each in every family on transformers 5.23): a sync or a
-  host-data tensor added anywhere, transformers' helpers included, fails (the negative controls plant one).
+- at most `REMAINING` in all, every origin: a sync or a host-data tensor added anywhere, transformers' helpers
+  included, fails (the negative controls plant one).
 
-The collator passes the host values the patch used to read back or copy in (`bench_syncs.py` has the per-origin
-counts before and after)::
+On VisionCollator batches the collator passes the host values the step would otherwise read back or copy in
+(docs/patches.md has the counts without them; `bench_syncs.py` measures both, benchmarks/RESULTS.md)::
 
-    event, before                                  now, on VisionCollator batches
-    varlen.validate_attention_mask     read        ``seqlens`` (host lengths); device boundaries from the batch's
-    PackedSequences.from_seqlens       2-3 copies  ``cu_seq_lens_q`` or the mask's running row sums (no host data)
-    _flatten.check_placeholders        3 reads     checked by the collator per sample (``VisionCollator._check``)
-    _flatten._placeholder_counts       1 copy      per-token sequence ids from the device ``cu_seqlens``
-    _vision.tower_calls (encode)       1 read      split by ``pixel_values``' rows, a shape (every caller)
-    _attention._VisionBoundaries       1-2 reads   ``vision_grids`` (host grids) → frame / window lengths, trusted
-    MoE aux weight (_forward)          1 copy      ``n_local / num_items_in_batch`` without ``new_tensor``
-    transformers' vision helpers       3-9         ``vision_inputs``: computed in the worker by the same helpers
-    get_image_features' split          1 read      the collator's item sizes (`_vision.ITEM_TOKENS`)
-    get_placeholder_mask's checks      2-4         asked for the masks alone (the collator checked the counts)
-    Qwen3-VL DeepStack update / merge  2/layer, 8  ``index_add`` at ``nonzero_static``; images ‖ videos in row order
+    event                              on VisionCollator batches
+    varlen.validate_attention_mask     ``seqlens`` (host lengths); device boundaries from the batch's
+    PackedSequences.from_seqlens       ``cu_seq_lens_q`` or the mask's running row sums (no host data)
+    _flatten.check_placeholders        checked by the collator per sample (``VisionCollator._check``)
+    _flatten._placeholder_counts       per-token sequence ids from the device ``cu_seqlens``
+    _vision.tower_calls (encode)       split by ``pixel_values``' rows, a shape (every caller)
+    _attention._VisionBoundaries       ``vision_grids`` (host grids) → frame / window lengths, trusted
+    MoE aux weight (_forward)          ``n_local / num_items_in_batch`` without ``new_tensor``
+    transformers' vision helpers       ``vision_inputs``: computed in the worker by the same helpers
+    get_image_features' split          the collator's item sizes (`_vision.ITEM_TOKENS`)
+    get_placeholder_mask's checks      asked for the masks alone (the collator checked the counts)
+    Qwen3-VL DeepStack update / merge  ``index_add`` at ``nonzero_static``; images ‖ videos in row order
 
 Other callers' batches (padded rows or position-id rows without ``seqlens`` / ``vision_grids``) keep the host
 checks, once per step, never per layer: they name the offending row or sequence. The package's other host reads
@@ -50,7 +50,7 @@ from hf_packing import VisionCollator
 from hf_packing.patches import _attention, _flatten
 from hf_packing.testing.syncs import SyncCounter
 from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
-from tests.conftest import FIXTURES, load_processor, processed_samples
+from tests.helpers import FIXTURES, load_processor, processed_samples
 
 
 def _layers(model_type: str, n: int) -> dict:
@@ -155,7 +155,7 @@ def gate(model_type: str) -> list[str]:
     return failures
 
 
-#: two families in the default run (about 40 s each on CPU), the others under -m slow
+#: two families in the default run, the others under -m slow (each family is a whole gate run)
 FAST = ("qwen2_5_vl", "qwen3_vl")
 
 

@@ -7,7 +7,6 @@ import types
 
 import pytest
 import torch
-from conftest import load_processor
 
 from hf_packing.collator import VisionCollator
 from hf_packing.testing.tiny import TOKEN_IDS, build_tiny_model
@@ -18,6 +17,7 @@ from hf_packing.training.telemetry import (
     default_peak_tflops,
     training_flops,
 )
+from tests.helpers import load_processor
 
 VS, VE, IMG = TOKEN_IDS["<|vision_start|>"], TOKEN_IDS["<|vision_end|>"], TOKEN_IDS["<|image_pad|>"]
 
@@ -218,9 +218,8 @@ def test_per_source_sums_are_kept_only_when_every_training_forward_gave_them():
     """Two micro-batches with ``source_ids`` under the patch: the per-source token counts add up to the collator's
     supervised counts; the sums are the loss's own (Σ over sources = the summed loss). A third forward without ids
     (as under Liger or sequence parallelism) makes the window's per-source numbers unknown: left out, not wrong."""
-    from conftest import processed_samples
-
     import hf_packing
+    from tests.helpers import processed_samples
 
     processor = load_processor("qwen2_5_vl")
     samples = processed_samples(processor)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import image, load_processor, video
 from PIL import Image
 
 from hf_packing.ops.loss import IGNORE_INDEX
@@ -25,6 +24,7 @@ from hf_packing.preprocess import formats
 from hf_packing.preprocess.errors import SampleError
 from hf_packing.preprocess.preprocessor import Preprocessor
 from hf_packing.preprocess.templates import TemplateError
+from tests.helpers import image, load_processor, video
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 FAMILY_TEMPLATE = {
@@ -364,12 +364,12 @@ def test_docs_show_each_familys_rendered_sample_with_its_labels(family_processor
 def test_llama_factory_and_trl_rows_pack_and_train(family_processors, media, tmp_path):
     """Both formats through `datasets`, `pack_dataset`, `VisionCollator` and a Trainer step; every packed sample
     equals the preprocessor's (whose labels the tests above hold to the formats' conventions)."""
-    from conftest import sgd_training_args
     from datasets import Dataset
     from transformers import Trainer
 
     import hf_packing
     from hf_packing.testing.tiny import build_tiny_model
+    from tests.helpers import sgd_training_args
 
     processor = family_processors["qwen2_5_vl"]
     factory = [

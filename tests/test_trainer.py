@@ -8,7 +8,7 @@ import torch
 import hf_packing
 from hf_packing import VisionCollator
 from hf_packing.testing.tiny import build_tiny_model
-from tests.conftest import FIXTURES, conversations, load_processor, processed_samples, sgd_training_args
+from tests.helpers import FIXTURES, conversations, load_processor, processed_samples, sgd_training_args
 
 
 def _one_sgd_step(tmp_path, packs, *, batch_size: int, accumulation: int, patched: bool) -> dict[str, torch.Tensor]:

@@ -7,49 +7,17 @@ instead of hanging CI. The model is a tiny Qwen2.5-VL saved with `save_tiny_chec
 
 from __future__ import annotations
 
-import io
-import json
-import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import image, torchrun
+
+from tests.helpers import check_ok, failure, launch, write_parquet
 
 pytestmark = pytest.mark.multiproc  # every test here launches torchrun (directly or through a fixture)
 
-HELPER = Path(__file__).parent / "multiproc_train.py"
-ROOT = Path(__file__).parents[1]
 SHARDS = (5, 17, 44)  # deliberately uneven parquet files
-MAX_LENGTH = 256
 BAD = {11: "corrupt_image", 30: "overlong"}  # skipped by the packer, counted in stats()
-
-
-def write_parquet(path: Path, n: int, *, seed: int, start: int, images: str, bad: dict[int, str] | None = None) -> None:
-    """`n` LLaVA rows numbered from `start`; `images`: "none" (text-only), "all" (1-2 PNGs each) or "mixed" (half
-    text-only); `bad`: {row: "corrupt_image" | "overlong"}, rows the packer must skip."""
-    from datasets import Dataset, Features, Image, List, Value
-
-    bad, rng = bad or {}, np.random.default_rng(seed)
-    turn = {"from": Value("string"), "value": Value("string")}
-    features = Features({"image": List(Image()), "conversations": List(turn)})
-    rows = []
-    for i in range(start, start + n):
-        k = 0 if images == "none" else int(rng.integers(1, 3)) if images == "all" else int(rng.choice([0, 0, 1, 2]))
-        k = max(k, bad.get(i) == "corrupt_image")
-        pngs = []
-        for j in range(k):
-            buf = io.BytesIO()
-            image(int(rng.integers(28, 120)), int(rng.integers(28, 120)), seed * 1000 + i * 10 + j).save(buf, "PNG")
-            data = buf.getvalue()
-            pngs.append({"bytes": data[: len(data) // 2] if bad.get(i) == "corrupt_image" else data, "path": None})
-        question = "<image>\n" * k + f"Row {i}: describe " + "this " * int(rng.integers(0, 12))
-        answer = "word " * (400 if bad.get(i) == "overlong" else int(rng.integers(2, 60)))
-        rows.append(
-            {"image": pngs, "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
-        )
-    Dataset.from_list(rows, features=features).to_parquet(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -68,42 +36,6 @@ def uneven_data(tmp_path_factory) -> list[str]:
         files.append(str(root / f"shard-{shard}.parquet"))
         start += n
     return files
-
-
-def launch(
-    work: Path, timeout: float, *, helper: Path = HELPER, **config
-) -> tuple[subprocess.CompletedProcess | None, list[dict], float]:
-    """torchrun --nproc_per_node 2 ``helper`` on CONFIG.json (``config``); returns (process or None if it timed out,
-    rank results, seconds)."""
-    work.mkdir(parents=True, exist_ok=True)
-    config = {
-        "out": str(work / "out"),
-        "output_dir": str(work / "trainer"),
-        "max_length": MAX_LENGTH,
-        "pg_timeout": 120,  # well above a loaded 2-core machine's stalls, below the launcher's kill
-        **config,
-    }
-    (work / "config.json").write_text(json.dumps(config))
-    t0 = time.perf_counter()
-    proc = torchrun(helper, str(work / "config.json"), timeout=timeout)
-    seconds = time.perf_counter() - t0
-    if proc is None:
-        return None, [], seconds
-    results = [json.loads(p.read_text()) for p in sorted((work / "out").glob("rank*.json"))]
-    return proc, results, seconds
-
-
-def failure(proc) -> str:
-    """The first rank's traceback (torchrun's own summary hides it at the end of stderr)."""
-    start = proc.stderr.find("Traceback")
-    return proc.stdout[-2000:] + proc.stderr[max(start, 0) :][:6000] + "\n...\n" + proc.stderr[-1500:]
-
-
-def check_ok(proc, results, seconds, label: str) -> None:
-    print(f"{label}: {seconds:.1f} s")
-    assert proc is not None, f"{label}: torchrun hung past its timeout"
-    assert proc.returncode == 0, failure(proc)
-    assert [r["rank"] for r in results] == [0, 1]
 
 
 # ------------------------------------------------------------------------------------------ 1. DDP, uneven shards
@@ -326,8 +258,8 @@ def test_per_source_losses_average_to_the_logged_loss(tiny_model, split_data, tm
     local_gaps = _weighted_gaps(local["log_history"])
     print(f"rank 0 alone: largest relative gap {max(local_gaps):.1e}")
     assert max(local_gaps) > 1e-4  # 10x the tolerance above
-    # issue 31, in the same launch: before it, each process trained a Trainer without prepare_trainer (dispatching off,
-    # as recipes/README.md lists), which used to train every other pack of each rank's stream and exit 0
+    # issue 31, in the same launch: each process first runs a Trainer without prepare_trainer (dispatching off, as
+    # recipes/README.md lists), which unchecked would train every other pack of each rank's stream and exit 0
     for rank in (local, local1):
         print(f"rank {rank['rank']} without prepare_trainer: {rank['unprepared_error']}")
         assert "keeps 1 of every 2 packs" in rank["unprepared_error"]

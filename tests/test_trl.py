@@ -18,8 +18,7 @@ import torch
 import hf_packing
 from hf_packing import VisionCollator
 from hf_packing.testing.tiny import build_tiny_model
-from tests.conftest import FIXTURES, conversations, image, load_processor, processed_samples
-from tests.test_backbone import first_layer_tokens
+from tests.helpers import FIXTURES, conversations, first_layer_tokens, image, load_processor, processed_samples
 
 trl = pytest.importorskip("trl")
 

@@ -21,7 +21,7 @@ import pytest
 
 import hf_packing
 from hf_packing.testing.tiny import build_tiny_model
-from tests.conftest import FIXTURES, conversations, load_processor, processed_batch
+from tests.helpers import FIXTURES, conversations, load_processor, processed_batch
 
 UPSTREAM = os.environ.get("HF_PACKING_TRANSFORMERS_TESTS")
 TESTS = ("test_moe_models_record_router_logits", "test_output_router_logits_from_config")
@@ -127,8 +127,7 @@ BACKBONES = {
 @pytest.mark.parametrize("model_type", list(BACKBONES))
 def test_transformers_common_tests_pass_on_the_patched_backbone_as_plain(model_type):
     """Every `ModelTesterMixin` test on the backbone class (``XModel``) that passes plain passes under the patch,
-    except `BACKBONE_REFUSALS` (measured on 5.23: 128 run, 41-48 skipped alike, the only new failure is
-    ``test_inputs_embeds_matches_input_ids``, at position 34 of row 0, its first pad)."""
+    except `BACKBONE_REFUSALS` (``test_inputs_embeds_matches_input_ids`` differs at row 0's first pad)."""
     import transformers
 
     common = _modeling_common()

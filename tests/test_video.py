@@ -13,11 +13,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, image, load_processor, write_clip
 
 from hf_packing.preprocess import video as video_module
 from hf_packing.preprocess.errors import SampleError
 from hf_packing.preprocess.preprocessor import Preprocessor
+from tests.helpers import FIXTURES, image, load_processor, write_clip
 
 av = pytest.importorskip("av", reason="the 'video' extra (PyAV) decodes video files")
 
@@ -329,11 +329,11 @@ def test_a_pack_with_a_video_file_trains_patched_like_unpatched(clips, tmp_path)
     unpatched one's on a pack holding a real video file, an image and text. Negative control: the video's time
     (second_per_grid_ts at transformers' 24 fps default instead of the file's) changes the loss."""
     from datasets import Dataset
-    from test_patches import assert_equivalent, loss_and_grads, model_and_processor
 
     import hf_packing
     from hf_packing.collator import VisionCollator
     from hf_packing.packing.dataset import pack_dataset
+    from tests.helpers import assert_equivalent, loss_and_grads, model_and_processor
 
     model, proc = model_and_processor("qwen2_5_vl")
     image(84, 56).save(tmp_path / "a.png")

@@ -11,7 +11,7 @@ import torch
 
 import hf_packing
 from hf_packing.testing.tiny import build_tiny_model
-from tests.conftest import FIXTURES, MODEL_TYPES, conversations, load_processor, processed_batch, torchrun
+from tests.helpers import FIXTURES, MODEL_TYPES, conversations, load_processor, processed_batch, torchrun
 
 
 def _count_tower_calls(model) -> list[int]:
@@ -94,23 +94,33 @@ def test_dummy_call_only_without_pixels(has_pixels):
     assert model.model.visual.patch_embed.proj.weight.grad is not None
 
 
-def _fsdp_run(tmp_path: Path, model_type: str, *extra: str) -> subprocess.CompletedProcess:
+FSDP_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+
+
+def _fsdp_run(tmp_path: Path, model_types: tuple[str, ...], *extra: str) -> subprocess.CompletedProcess:
     script = Path(__file__).parent / "multiproc_fsdp_vision.py"
-    proc = torchrun(script, model_type, str(tmp_path / "out.json"), *extra)
+    proc = torchrun(script, ",".join(model_types), str(tmp_path / "out.json"), *extra)
     if proc is None:
         pytest.fail("FSDP2 run with mixed image/video ranks hung (no step finished in 240 s)")
     return proc
 
 
+@pytest.fixture(scope="module")
+def fsdp_mixed_ranks(tmp_path_factory) -> list[dict]:
+    """One launch for both families, trained in turn in the same processes: each rank's {family: results}."""
+    tmp_path = tmp_path_factory.mktemp("fsdp_vision")
+    proc = _fsdp_run(tmp_path, FSDP_FAMILIES)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"out.json.{rank}").read_text()) for rank in (0, 1)]
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
-def test_fsdp2_mixed_image_video_ranks_complete(tmp_path, model_type):
+@pytest.mark.parametrize("model_type", FSDP_FAMILIES)
+def test_fsdp2_mixed_image_video_ranks_complete(fsdp_mixed_ranks, model_type):
     """2 gloo processes under FSDP2: rank 0 images + video, rank 1 images only, then text only. Both finish their
     training steps and an evaluation step (images + video | text only) with one tower call each."""
-    proc = _fsdp_run(tmp_path, model_type)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"out.json.{rank}").read_text())
+    for ranks in fsdp_mixed_ranks:
+        result = ranks[model_type]
         assert result["tower_calls"] == [1, 1, 1]
         assert all(torch.isfinite(torch.tensor(result["losses"])))
 
@@ -118,7 +128,7 @@ def test_fsdp2_mixed_image_video_ranks_complete(tmp_path, model_type):
 @pytest.mark.multiproc
 def test_fsdp2_mixed_ranks_negative_control(tmp_path):
     """The same run with the tower calls left as transformers makes them (2 on rank 0, 1 on rank 1) fails."""
-    proc = _fsdp_run(tmp_path, "qwen2_5_vl", "separate")
+    proc = _fsdp_run(tmp_path, ("qwen2_5_vl",), "separate")
     assert proc.returncode != 0
     assert "collective mismatch" in proc.stderr or "doesn't match" in proc.stderr, proc.stderr[-2000:]
 
