@@ -9,7 +9,8 @@ most loaded rank / Σ of the mean rank (1.0: no rank ever waits). Arms:
 - `before`: today's `main`: consecutive groups of `world` packs, each rank one pack per group, the costliest pack
   (by text cost n + n² // 65,536) to the rank with the least cumulative cost;
 - `greedy total`: the same greedy with the full cost (text + vision);
-- `consecutive steps, <split>`: steps of consecutive packs, each split by `partition(<split>)`;
+- `consecutive steps, <split>`: steps of consecutive packs, each split by `<split>` (`SPLITS`: `kk` is the library's
+  `partition`; `lpt`, `snake` and `lpt_swap` live here only);
 - `window K, <split>`: `schedule` over windows of K steps (sorted by cost, cut into steps, each split);
 - `window 16, kk, by text cost`: the same with the vision terms left out of the cost (negative control).
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,50 @@ def packs_of(mix: dict[str, np.ndarray], max_length: int) -> tuple[list[float], 
     return [float(full[p].sum()) for p in packs], [float(old[p].sum()) for p in packs]
 
 
+def lpt(costs: Sequence[float], world: int, *, swap: bool = False) -> list[list[int]]:
+    """Costliest first to the least loaded rank with room (equal counts); with `swap`, then pairwise swaps out of the
+    most loaded rank, best first, while they lower the larger of the two loads (at most 100)."""
+    per, order = len(costs) // world, sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    parts, loads = [[] for _ in range(world)], [0.0] * world
+    for i in order:
+        r = min((r for r in range(world) if len(parts[r]) < per), key=lambda r: (loads[r], r))
+        parts[r].append(i)
+        loads[r] += costs[i]
+    for _ in range(100 if swap else 0):
+        top = max(range(world), key=lambda r: (loads[r], -r))
+        best = None
+        for r in range(world):
+            for a, i in enumerate(parts[top]):
+                for b, j in enumerate(parts[r]):
+                    d = costs[i] - costs[j]
+                    peak = max(loads[top] - d, loads[r] + d)
+                    if d > 0 and peak < loads[top] and (best is None or peak < best[0]):
+                        best = (peak, r, a, b, d)
+        if best is None:
+            break
+        _, r, a, b, d = best
+        parts[top][a], parts[r][b] = parts[r][b], parts[top][a]
+        loads[top] -= d
+        loads[r] += d
+    return [sorted(p) for p in parts]
+
+
+def snake(costs: Sequence[float], world: int) -> list[list[int]]:
+    """Sorted by cost, dealt to ranks 0..W-1, then W-1..0, and so on."""
+    parts: list[list[int]] = [[] for _ in range(world)]
+    for k, i in enumerate(sorted(range(len(costs)), key=lambda i: (-costs[i], i))):
+        row, col = divmod(k, world)
+        parts[col if row % 2 == 0 else world - 1 - col].append(i)
+    return [sorted(p) for p in parts]
+
+
+def splits() -> dict[str, Callable[[Sequence[float], int], list[list[int]]]]:
+    """The split methods compared: the library's (`kk`) first."""
+    from hf_packing.packing.balance import partition
+
+    return {"kk": partition, "lpt": lpt, "snake": snake, "lpt_swap": lambda c, w: lpt(c, w, swap=True)}
+
+
 def before(costs: list[float], world: int, per_rank: int) -> list[list[int]]:
     """main's `_assign`: groups of `world` consecutive packs, costliest to the least cumulative cost."""
     groups, totals = [], [0.0] * world
@@ -71,13 +116,13 @@ def before(costs: list[float], world: int, per_rank: int) -> list[list[int]]:
 
 
 def consecutive(method: str) -> Callable[[list[float], int, int], list[list[int]]]:
-    from hf_packing.packing.balance import partition
+    split = splits()[method]
 
     def run(costs: list[float], world: int, per_rank: int) -> list[list[int]]:
         size, groups = world * per_rank, []
         for start in range(0, len(costs) - len(costs) % world, size):
             step = list(range(start, min(start + size, len(costs) - len(costs) % world)))
-            parts = partition([costs[i] for i in step], world, method)
+            parts = split([costs[i] for i in step], world)
             groups += [[step[parts[r][j]] for r in range(world)] for j in range(len(parts[0]))]
         return groups
 
@@ -87,13 +132,15 @@ def consecutive(method: str) -> Callable[[list[float], int, int], list[list[int]
 def windowed(window: int, method: str) -> Callable[[list[float], int, int], list[list[int]]]:
     from hf_packing.packing.balance import schedule
 
+    split = splits()[method]
+
     def run(costs: list[float], world: int, per_rank: int) -> list[list[int]]:
         usable, size, groups = len(costs) - len(costs) % world, window * world * per_rank, []
         for start in range(0, usable, size):
             chunk = list(range(start, min(start + size, usable)))
             groups += [
                 [chunk[k] for k in g]
-                for g in schedule([costs[i] for i in chunk], world=world, per_rank=per_rank, method=method)
+                for g in schedule([costs[i] for i in chunk], world=world, per_rank=per_rank, split=split)
             ]
         return groups
 
@@ -108,8 +155,7 @@ def spread(groups: list[list[int]], true: list[float], per_rank: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hf_packing.packing.balance import PARTITIONS
-
+    methods = list(splits())
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
@@ -120,11 +166,11 @@ def main(argv: list[str] | None = None) -> None:
         "hires @ 16k": (hires_mix(40_000), 16384),
     }
     arms: dict[str, Callable] = {"before (main: greedy, text cost)": None}
-    for method in PARTITIONS:
+    for method in methods:
         arms[f"consecutive steps, {method}"] = consecutive(method)
     for window in (2, 4, 8, 16, 32):
         arms[f"window {window}, kk"] = windowed(window, "kk")
-    for method in PARTITIONS[1:]:
+    for method in methods[1:]:
         arms[f"window 8, {method}"] = windowed(8, method)
     arms["window 16, kk, by text cost (control)"] = "text"
     rows, checks, timing = [], [], {}
@@ -168,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
 
 {C.md_table(header, rows)}
 
-Chosen for `pack_dataset`: **{CHOSEN}** (`balance_window=16`, `schedule(..., method="kk")`). Within {TOLERANCE:.0%} of the best arm tried in every column: **{verdict}**.
+Chosen for `pack_dataset`: **{CHOSEN}** (`balance_window=16`, `schedule(...)` with its default split, `partition`). Within {TOLERANCE:.0%} of the best arm tried in every column: **{verdict}**.
 """
     if args.no_write:
         print(body)

@@ -23,12 +23,13 @@ default ``map`` batch of 1,000 rows (BFD inside each batch, no carry-over) and o
 only plans numbers: items/s compare the two *as users call them*, not the same amount of work.
 
 Planner, TRL and collator arms are single-threaded (``torch.set_num_threads(1)``, ``pyarrow.set_cpu_count(1)``);
-the end-to-end data path is pinned to one core (``os.sched_setaffinity``), producer thread included.
+the end-to-end data path is pinned to one core (``os.sched_setaffinity``).
 
-Also: streaming BFD variants (``VARIANTS``: without re-planning, without carry-over, with image/patch budgets that do
-not bind and with a ``max_images`` that does); `VisionCollator` latency per 8k-token pack (pre-processed tensors, no
+Also: streaming BFD variants (``VARIANTS``: without carry-over, with image/patch budgets that do not bind and with a
+``max_images`` that does; ``--baseline REV`` adds each on REV's planner); `VisionCollator` latency per 8k-token pack (pre-processed tensors, no
 image processing) in ``rows`` and ``flat`` mode; and, when ``hf_packing.packing.dataset.pack_dataset`` exists, the end-to-end
-data path (JPEG decode + tiny Qwen2.5-VL processor + planning + collation) in samples/s.
+data path (JPEG decode + tiny Qwen2.5-VL processor + planning + collation) in samples/s, in this process and through
+a ``torch.utils.data.DataLoader`` at 0 and 2 workers (``--baseline REV``: REV's package beside this one).
 
 Run: ``python benchmarks/bench_packing.py`` (about 5 minutes; ``--quick`` for a smoke run).
 """
@@ -409,8 +410,7 @@ def vision_patches(mix: dict[str, np.ndarray]) -> np.ndarray:
 #: streaming BFD variants: what re-planning, carry-over and image/patch budgets cost or buy; each gets the kept
 #: lengths and images and the max_length
 VARIANTS: dict[str, Callable[[np.ndarray, np.ndarray, int], dict[str, Any]]] = {
-    "default (re-planning, carry-over)": lambda lengths, images, ml: {},
-    "no re-planning (repack_windows=0)": lambda lengths, images, ml: {"repack_windows": 0},
+    "default (carry-over)": lambda lengths, images, ml: {},
     "no carry-over (max_open_bins=0)": lambda lengths, images, ml: {"max_open_bins": 0},
     "media budgets set, not binding": lambda lengths, images, ml: {"max_images": 64, "max_vision_patches": 64 * ml},
     # about the mean images per full pack (so it binds), but never below one sample's images (none dropped)
@@ -421,11 +421,39 @@ VARIANTS: dict[str, Callable[[np.ndarray, np.ndarray, int], dict[str, Any]]] = {
 }
 
 
+def planner_at(rev: str) -> Any:
+    """`hf_packing/packing/planner.py` as it was at git revision `rev`, loaded as a module beside today's."""
+    import subprocess
+    import types
+
+    src = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{rev}:hf_packing/packing/planner.py"], check=True, capture_output=True
+    ).stdout.decode()
+    module = types.ModuleType(f"planner_at_{rev}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(
+        compile(src.replace("from ..config import", "from hf_packing.config import"), module.__name__, "exec"),
+        module.__dict__,
+    )
+    return module
+
+
 def variants_section(
-    mixes: dict[str, dict[str, np.ndarray]], max_lengths: list[int], *, warmup: int, repeats: int, buffer: int
+    mixes: dict[str, dict[str, np.ndarray]],
+    max_lengths: list[int],
+    *,
+    warmup: int,
+    repeats: int,
+    buffer: int,
+    baseline: str | None = None,
 ) -> str:
-    """Fill and items/s of streaming BFD variants (`VARIANTS`), interleaved like the main table."""
+    """Fill and items/s of streaming BFD variants (`VARIANTS`), interleaved like the main table; with `baseline` (a git
+    revision) each variant also runs on that revision's planner, in the same rounds."""
     from hf_packing.packing.planner import StreamingPlanner
+
+    planners = {"": StreamingPlanner}
+    if baseline:
+        planners[f" [planner at {baseline}]"] = planner_at(baseline).StreamingPlanner
     from hf_packing.packing.stats import pack_stats
 
     rows = []
@@ -435,10 +463,10 @@ def variants_section(
             lengths, images, patches = mix["lengths"][keep], mix["images"][keep], vision_patches(mix)[keep]
             results: dict[str, tuple[float, int]] = {}
 
-            def arm(name: str, kwargs: dict[str, Any]) -> Callable[[], float]:
+            def arm(name: str, kwargs: dict[str, Any], planner_class: Any) -> Callable[[], float]:
                 def run() -> float:
                     gc.collect()
-                    planner = StreamingPlanner(max_length=ml, buffer_size=buffer, **kwargs)
+                    planner = planner_class(max_length=ml, buffer_size=buffer, **kwargs)
                     media = {"images": images, "patches": patches} if "max_images" in kwargs else {}
                     t0 = time.perf_counter()
                     packs = planner.extend(lengths, **media) + planner.flush()
@@ -449,8 +477,13 @@ def variants_section(
 
                 return run
 
-            kwargs = {name: make(lengths, images, ml) for name, make in VARIANTS.items()}
-            times = C.interleaved({name: arm(name, kw) for name, kw in kwargs.items()}, warmup=warmup, repeats=repeats)
+            kwargs = {name + tag: make(lengths, images, ml) for name, make in VARIANTS.items() for tag in planners}
+            arms = {
+                name + tag: arm(name + tag, kwargs[name + tag], cls)
+                for name in VARIANTS
+                for tag, cls in planners.items()
+            }
+            times = C.interleaved(arms, warmup=warmup, repeats=repeats)
             for name, ts in times.items():
                 fill, num_packs = results[name]
                 med = C.median(ts)
@@ -697,8 +730,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 def e2e_run(num_samples: int) -> dict[str, Any] | str:
     """End-to-end samples/s of ``hf_packing.packing.dataset.pack_dataset`` on real JPEGs, if the module exists.
 
-    The main thread is pinned to the least busy core first, so the producer thread (created later) inherits it and
-    the whole data path shares one core.
+    The process is pinned to the least busy core first, so the whole data path runs on one core.
     """
     try:
         from hf_packing.packing.dataset import pack_dataset
@@ -734,10 +766,10 @@ def e2e_section(num_samples: int) -> tuple[str, float | None]:
     body = (
         f"{num_samples} HF-messages rows (94% with one JPEG of random size 300-1000 px a side, quality 90; text "
         f"15-160 words), `pack_dataset(dataset, processor, max_length=8192, strategy='bfd', buffer_size=1000, "
-        f"image_root=tmp)` iterated in the benchmark process (its producer thread included), then "
+        f"image_root=tmp)` iterated in the benchmark process, then "
         f"`VisionCollator(mode='rows')` on every pack. Samples counted per pass: {here['count']} (rows the packer "
         f"skipped would not count). The process is pinned to one core (the idlest, core {here['core']}) before "
-        f"the packer starts, so its producer thread shares that core; torch 1 thread. Both processors are "
+        f"the packer starts; torch 1 thread. Both processors are "
         f"interleaved pass by pass: one warm-up pass each, then the median of 3 passes.\n\n{table}\n\n"
         f"The same in a child process started with `{env_text}`{where} (see the collator section):\n\n{tuned}"
     )
@@ -834,6 +866,102 @@ def _e2e_table(result: dict[str, Any]) -> tuple[str, dict[str, float]]:
     return C.md_table(header, rows), per_core
 
 
+class _Collate:
+    """A DataLoader `collate_fn` for `batch_size=None`: one pack at a time into the collator."""
+
+    def __init__(self, processor: Any) -> None:
+        from hf_packing.collator import VisionCollator
+
+        self.collator = VisionCollator(processor, mode="rows")
+
+    def __call__(self, pack: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.collator([pack])
+
+
+def loader_pass(num_samples: int, num_workers: int) -> dict[str, Any]:
+    """One pass of `pack_dataset` through `torch.utils.data.DataLoader(num_workers=...)` over the rows saved by
+    `loader_section` (``HF_PACKING_BENCH_ROWS``): samples and seconds, measured from `iter()` to the last batch."""
+    import torch
+    from datasets import load_from_disk
+    from transformers import AutoProcessor
+
+    import hf_packing
+    from hf_packing.packing.dataset import pack_dataset
+
+    folder = Path(os.environ["HF_PACKING_BENCH_ROWS"])
+    processor = AutoProcessor.from_pretrained(str(FIXTURE))
+    packs = pack_dataset(
+        load_from_disk(str(folder / "rows")),
+        processor,
+        max_length=8192,
+        buffer_size=1000,
+        media_root=str(folder),
+        disable_progress=True,
+    )
+    loader = torch.utils.data.DataLoader(
+        packs, batch_size=None, num_workers=num_workers, collate_fn=_Collate(processor)
+    )
+    t0, count = time.perf_counter(), 0
+    for batch in loader:
+        count += int(batch["input_ids"].shape[0])
+    return {"samples": count, "seconds": time.perf_counter() - t0, "package": hf_packing.__file__}
+
+
+def loader_section(num_samples: int, baseline: str | None, repeats: int = 3) -> str:
+    """Samples/s through a DataLoader at 0 and 2 workers, for this tree and, with `baseline`, a `git archive` of that
+    revision, each pass a child process (interleaved round by round: one warm-up round, then `repeats`)."""
+    import json
+    import subprocess
+
+    trees = {"this tree": ROOT}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        if baseline:
+            old = folder / "baseline"
+            old.mkdir()
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", baseline], check=True, capture_output=True)
+            subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+            trees[f"at {baseline}"] = old
+        from datasets import Dataset
+
+        Dataset.from_list(_jpeg_rows(num_samples, folder)).save_to_disk(str(folder / "rows"))
+
+        def arm(tree: Path, workers: int) -> Callable[[], float]:
+            def run() -> float:
+                out = folder / "pass.json"
+                cmd = [sys.executable, __file__, "--loader-json", str(out), "--loader-workers", str(workers)]
+                env = {**os.environ, "PYTHONPATH": str(tree), "HF_PACKING_BENCH_ROWS": str(folder)}
+                proc = subprocess.run(
+                    cmd + ["--e2e-samples", str(num_samples)], env=env, capture_output=True, text=True
+                )
+                if proc.returncode:
+                    raise RuntimeError(proc.stderr[-2000:])
+                result = json.loads(out.read_text())
+                assert Path(result["package"]).is_relative_to(tree), result["package"]
+                counts[(str(tree), workers)] = result["samples"]
+                return result["samples"] / result["seconds"]
+
+            return run
+
+        counts: dict[tuple[str, int], int] = {}
+        arms = {(name, w): arm(tree, w) for w in (0, 2) for name, tree in trees.items()}
+        rates = C.interleaved(arms, warmup=1, repeats=repeats)
+    rows = [
+        [name, str(w), str(counts[(str(trees[name]), w)]), f"{C.median(r):.1f}", " ".join(f"{x:.1f}" for x in r)]
+        for (name, w), r in rates.items()
+    ]
+    table = C.md_table(["package", "num_workers", "samples", "samples/s (median)", "passes"], rows)
+    return (
+        f"The rows of the end-to-end data path ({num_samples}, saved with `save_to_disk`), `pack_dataset(rows, "
+        f"processor, max_length=8192, buffer_size=1000)` (length index on: built in the warm-up pass) through "
+        f"`torch.utils.data.DataLoader(packs, batch_size=None, num_workers=...)` with `VisionCollator(mode='rows')` "
+        f"as its `collate_fn`; tiny processor; samples/s from `iter()` to the last batch (worker start included). "
+        f"Each pass is a child process with the package on `PYTHONPATH` (the baseline from `git archive`), not "
+        f"pinned, torch threads at their default; arms interleaved round by round, one warm-up round, then {repeats}.\n\n"
+        f"{table}"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -859,6 +987,14 @@ def main(argv: list[str] | None = None) -> None:
         "--max-images", action="store_true", help="only the max_images table (its own RESULTS.md section, ~1 min)"
     )
     parser.add_argument("--no-write", action="store_true", help="print the section instead of writing RESULTS.md")
+    parser.add_argument(
+        "--baseline",
+        help="a git revision: its planner runs beside today's in the variants table, and its data path beside "
+        "today's in the DataLoader table (the 'before' of a change, measured in the same run)",
+    )
+    parser.add_argument("--loader-only", action="store_true", help="only the DataLoader table, printed")
+    parser.add_argument("--loader-json", help=argparse.SUPPRESS)  # internal: child process of the DataLoader table
+    parser.add_argument("--loader-workers", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.n_llava, args.n_docs, args.repeats, args.collator_calls, args.e2e_samples = 5000, 2000, 1, 20, 30
@@ -873,6 +1009,16 @@ def main(argv: list[str] | None = None) -> None:
 
         rows, checks = collator_section(args.collator_calls)
         Path(args.collator_json).write_text(json.dumps({"rows": rows, "checks": checks}))
+        return
+    if args.loader_json:
+        import json
+
+        Path(args.loader_json).write_text(json.dumps(loader_pass(args.e2e_samples, args.loader_workers)))
+        return
+    if args.loader_only:
+        print(f"- Date: {C.today()}; load average before: {C.load_average()}; command: `{C.command_line()}`\n")
+        print(loader_section(args.e2e_samples, args.baseline, args.repeats))
+        print(f"\nLoad average after: {C.load_average()}")
         return
     if args.e2e_json:
         import json
@@ -919,8 +1065,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     sweep_table, smallest_buffer = buffer_sweep(mixes, args.max_lengths)
     variants_table = variants_section(
-        mixes, args.max_lengths, warmup=args.warmup, repeats=args.repeats, buffer=args.buffer_size
+        mixes,
+        args.max_lengths,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        buffer=args.buffer_size,
+        baseline=args.baseline,
     )
+    loader_body = "(skipped)" if args.skip_e2e else loader_section(args.e2e_samples, args.baseline, args.repeats)
     collator_table, collator_ms, collator_tuned = (
         ("(skipped)", {}, {}) if args.skip_collator else collator_tables(args.collator_calls)
     )
@@ -1012,6 +1164,10 @@ Target <= {TARGET_COLLATOR_MS:.0f} ms per 8k pack (10 samples, 4 images; rows an
 ### End-to-end data path
 
 {e2e_body}
+
+### Through a DataLoader
+
+{loader_body}
 """
     if args.no_write:
         print(body)

@@ -31,7 +31,7 @@ DictSetting = dict | str | list | None
 #: fields whose command-line string may be JSON (a dict or a list)
 JSON_FIELDS = ("weights", "media_root", "video_root", "fps", "videos_kwargs", "row_format", "chat_template_kwargs")
 #: fields that must be >= 1
-POSITIVE_FIELDS = ("buffer_size", "prefetch", "batch_size", "balance_window", "skip_check_rows")
+POSITIVE_FIELDS = ("buffer_size", "batch_size", "balance_window", "skip_check_rows")
 #: how a mix ends: `None` (every row once without weights, "first_exhausted" with them) or datasets' own names
 STRATEGIES: tuple[str, ...] = ("next_fit", "bfd")  # the planner's bin-packing strategies
 DEFAULT_STRATEGY = "bfd"  # plan_packs', StreamingPlanner's and PackingConfig's
@@ -161,7 +161,6 @@ class PackingConfig:
     on_error: Literal["skip", "raise"] = field(
         default="skip", metadata=_help("skip bad rows and count them by reason, or raise")
     )
-    prefetch: int = field(default=4, metadata=_help("packs the producer thread may run ahead of the consumer"))
     batch_size: int = field(
         default=1,
         metadata=_help(

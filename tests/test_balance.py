@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from hf_packing.packing.balance import PARTITIONS, WorkCost, model_flops, partition, schedule, step_spread
+from hf_packing.packing.balance import WorkCost, model_flops, partition, schedule, step_spread
 from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
 from hf_packing.training.flops import cost_model, training_flops
 
@@ -76,30 +76,16 @@ def test_a_packs_cost_is_its_training_flops(model_type, frozen):
         assert edge > edge_exact and edge != pytest.approx(edge_exact, rel=1e-3)
 
 
-@pytest.mark.parametrize(
-    ("method", "expected", "sums"),
-    [
-        # chunks (8,7) (6,5) (4,0): (4,0)+(7,8) -> 11/8, then +(5,6) -> 16/14
-        ("kk", [[1, 3, 4], [0, 2, 5]], [16, 14]),
-        # 8->r0, 7->r1, 6->r1 (7 < 8), 5->r0, 4->r0 (tie 13/13: lower rank), 0->r1 (r0 full)
-        ("lpt", [[0, 3, 4], [1, 2, 5]], [17, 13]),
-        ("snake", [[0, 3, 4], [1, 2, 5]], [17, 13]),  # 8 7 | 6 5 reversed | 4 0
-        ("lpt_swap", [[2, 3, 4], [0, 1, 5]], [15, 15]),  # LPT, then 8 <-> 6 (the best swap): the optimum
-    ],
-)
-def test_partition_literal(method, expected, sums):
+def test_partition_literal():
     costs = [8, 7, 6, 5, 4, 0]
-    parts = partition(costs, 2, method)
-    assert [sum(costs[i] for i in p) for p in parts] == sums
-    assert parts == expected and all(len(p) == 3 for p in parts)
+    parts = partition(costs, 2)  # chunks (8,7) (6,5) (4,0): (4,0)+(7,8) -> 11/8, then +(5,6) -> 16/14
+    assert [sum(costs[i] for i in p) for p in parts] == [16, 14]
+    assert parts == [[1, 3, 4], [0, 2, 5]]
 
 
 def test_partition_refuses_uneven_counts():
     with pytest.raises(ValueError, match="world=2"):
         partition([1, 2, 3], 2)
-    with pytest.raises(ValueError, match="unknown partition"):
-        partition([1, 2], 2, "random")
-    assert set(PARTITIONS) == {"kk", "lpt", "snake", "lpt_swap"}
 
 
 def test_schedule_literal():

@@ -40,7 +40,6 @@ CUSTOM = PackingConfig(
     train_on="all",
     on_overlong="truncate_text",
     on_error="raise",
-    prefetch=2,
     batch_size=2,
     stopping_strategy="all_exhausted",
     max_image_pixels=1_000_000,

@@ -103,22 +103,23 @@ def test_close_threshold() -> None:
     assert planner.flush() == [[2]]
 
 
-def test_replanning_recombines_leftovers() -> None:
-    # The picture in the module docstring: pack 0 (13 tokens) is open from the previous window and keeps its
-    # samples; window [10, 6, 5, 4, 2] closes it (room 1 < shortest sample 2) and the full 10+6, and keeps 5+4.
-    planner = StreamingPlanner(max_length=16, buffer_size=5, repack_budget=4)
+def test_open_packs_carry_over() -> None:
+    # The picture in the module docstring: pack 0 (13 tokens) is open from the previous window; window
+    # [10, 6, 5, 4, 2] closes it (room 1 < shortest sample 2) and the full 10+6, and keeps 5+4 open (room 7).
+    planner = StreamingPlanner(max_length=16, buffer_size=5)
     state = planner.state_dict()
-    state.update(open_bins=[[0, [100], [13], [], [], None]], next_bin_id=1, min_length_seen=13, num_windows=1)
+    state.update(open_bins=[[0, [100], [13], [], []]], next_bin_id=1, min_length_seen=13)
     planner.load_state_dict(state)
     assert planner.extend([10, 6, 5, 4, 2], indices=[1, 2, 3, 4, 5]) == [[100, 5], [1, 2]]
-    assert planner.state_dict()["open_bins"] == [[2, [3, 4], [5, 4], [], [], 2]]  # re-planned next window
-    # 12, 11, 5, 4, 1, 1, 1 longest first: 5 fills the 11 and 4 fills the 12 (instead of a 5+4 pack).
-    assert planner.extend([12, 11, 1, 1, 1], indices=[6, 7, 8, 9, 10]) == [[6, 4], [7, 3]]
-    assert planner.flush() == [[8, 9, 10]]
+    assert planner.state_dict()["open_bins"] == [[2, [3, 4], [5, 4], [], []]]
+    # 12, 11, 1, 1, 1 longest first: 12 and 11 each open a pack (room 7 is too small), the 1s go to the tightest
+    # (the 12's, room 4); 5+4 got nothing this window and closes.
+    assert planner.extend([12, 11, 1, 1, 1], indices=[6, 7, 8, 9, 10]) == [[3, 4]]
+    assert planner.flush() == [[6, 8, 9, 10], [7]]
 
 
 def test_carry_over() -> None:
-    # Windows of one sample: open packs carried over (and re-planned) fill up; without carry-over they cannot.
+    # Windows of one sample: open packs carried over fill up; without carry-over they cannot.
     assert plan_packs([3, 3, 3], max_length=10, buffer_size=1) == [[0, 1, 2]]
     planner = StreamingPlanner(max_length=10, buffer_size=1, max_open_bins=0)
     assert planner.extend([3, 3, 3]) + planner.flush() == [[0], [1], [2]]
@@ -571,13 +572,13 @@ def test_the_planner_records_which_budget_closed_each_pack():
     assert nf.closed_by == {"tokens": 0, "images": 0, "patches": 1, "open_packs": 0, "end": 1}
     # BFD, window [5, 5, 4i, 4i]: 5+5 full (tokens); each 4i alone, with no image room left (images); the flushed
     # [3, 3, 1] has room (end)
-    bfd = StreamingPlanner(max_length=10, max_images=1, buffer_size=4, repack_windows=0)
+    bfd = StreamingPlanner(max_length=10, max_images=1, buffer_size=4)
     packs = bfd.extend([5, 5, 4, 4, 3, 3, 1], images=[0, 0, 1, 1, 0, 0, 0]) + bfd.flush()
     assert packs == [[0, 1], [2], [3], [4, 5, 6]]
     assert bfd.closed_by == {"tokens": 1, "images": 2, "patches": 0, "open_packs": 0, "end": 1}
-    half = StreamingPlanner(max_length=10, max_images=1, buffer_size=4, repack_windows=0)
+    half = StreamingPlanner(max_length=10, max_images=1, buffer_size=4)
     assert half.extend([5, 5, 4, 4], images=[0, 0, 1, 1]) == packs[:3]
-    resumed = StreamingPlanner(max_length=10, max_images=1, buffer_size=4, repack_windows=0)
+    resumed = StreamingPlanner(max_length=10, max_images=1, buffer_size=4)
     resumed.load_state_dict(half.state_dict())
     assert resumed.extend([3, 3, 1], indices=[4, 5, 6], images=[0, 0, 0]) + resumed.flush() == packs[3:]
     assert resumed.closed_by == bfd.closed_by

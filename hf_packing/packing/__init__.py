@@ -2,7 +2,7 @@
 
 Owns: `pack_dataset` and `PackedDataset` (`dataset`), the online bin planner (`planner`), the rank-identical replica
 of the stream (`replica`), balancing packs over ranks (`balance`), fill and skip statistics (`stats`), row readers
-(`readers`), the cached length index (`length_index`), per-source tags (`source_ids`) and the worker-side producer
-(`producer`). May import: `hf_packing.preprocess`, `hf_packing.parallel` (the data-parallel rank), `hf_packing.ops`
-and `hf_packing.config`; never the patches or the Trainer side.
+(`readers`), the cached length index (`length_index`) and per-source tags (`source_ids`). May import:
+`hf_packing.preprocess`, `hf_packing.parallel` (the data-parallel rank), `hf_packing.ops` and `hf_packing.config`;
+never the patches or the Trainer side. It starts no thread: the DataLoader's workers are its asynchrony.
 """

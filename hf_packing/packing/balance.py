@@ -10,8 +10,9 @@ every replica makes the same choice and a resumed run makes it again.
 Measured (`benchmarks/bench_balance.py`, RESULTS.md, Qwen2.5-VL-7B weights): Σ over steps of the slowest rank /
 Σ of the mean rank, 8 and 64 ranks, one or two packs per rank per step, on LLaVA-like, document and hi-res-photo
 mixes: 1.023-1.123 for the former greedy by text cost over consecutive packs, 1.001-1.015 with a window of 16 steps
-(32: 1.001-1.007; 8: 1.002-1.029). With sorted steps the four split methods tie to 4 decimals; KK is among the
-cheapest (~6 µs a pack with the sort). Without the vision terms the same window scores 1.023-1.074.
+(32: 1.001-1.007; 8: 1.002-1.029). With sorted steps KK ties the other split methods the benchmark tries (LPT, snake,
+LPT with swaps) to 4 decimals and is among the cheapest (~6 µs a pack with the sort). Without the vision terms the
+same window scores 1.023-1.074.
 
 Cost of a sample with n tokens, P = Σ t·h·w vision patches and Q = Σ t·(h·w)² (attention is per frame of each image
 or video), in units of one text token's dense work (6·N FLOPs, + 18·L_lin·S on Qwen3.5; `WorkCost.unit`)::
@@ -33,7 +34,7 @@ import copy
 import dataclasses
 import functools
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,9 +42,8 @@ import torch
 
 from ..ops.flops import ModelFlops
 
-__all__ = ["PARTITIONS", "WorkCost", "model_flops", "partition", "schedule", "step_spread"]
+__all__ = ["WorkCost", "model_flops", "partition", "schedule", "step_spread"]
 
-PARTITIONS: tuple[str, ...] = ("kk", "lpt", "snake", "lpt_swap")
 #: Qwen2.5-VL-7B-Instruct's config (what the weights' shapes need): the default when no model config is given
 _QWEN2_5_VL_7B = {
     "text_config": {
@@ -139,15 +139,14 @@ class WorkCost:
         return list(asdict(self).values())
 
 
-def partition(costs: Sequence[float], world: int, method: str = "kk") -> list[list[int]]:
-    """Splits `len(costs)` packs (a multiple of `world`) into `world` lists of equal length, balancing the sums.
+def partition(costs: Sequence[float], world: int) -> list[list[int]]:
+    """Splits `len(costs)` packs (a multiple of `world`) into `world` lists of equal length, balancing the sums by
+    balanced largest differencing: each run of `world` packs (in cost order) is a partial split, one pack per rank; the
+    two splits with the largest spread merge, heaviest part of one with lightest of the other.
 
     Args:
         costs (`Sequence[float]`): one cost per pack.
         world (`int`): number of ranks.
-        method (`str`, defaults to `"kk"`): `"kk"` (balanced largest differencing), `"lpt"` (costliest first to the
-            least loaded rank with room), `"snake"` (sorted, dealt 0..W-1, W-1..0, ...) or `"lpt_swap"` (LPT, then
-            swaps between the most loaded rank and another while the larger of the two drops).
 
     Returns:
         `list[list[int]]`: positions into `costs` per rank, each list ascending.
@@ -155,33 +154,9 @@ def partition(costs: Sequence[float], world: int, method: str = "kk") -> list[li
     n = len(costs)
     if n % world:
         raise ValueError(f"{n} packs do not split evenly over world={world} ranks")
-    if method not in PARTITIONS:
-        raise ValueError(f"unknown partition method {method!r}; choose one of {PARTITIONS}")
-    per = n // world
     order = sorted(range(n), key=lambda i: (-costs[i], i))
-    if method == "kk":
-        parts = _kk(costs, order, world)
-    elif method == "snake":
-        parts = [[] for _ in range(world)]
-        for k, i in enumerate(order):
-            row, col = divmod(k, world)
-            parts[col if row % 2 == 0 else world - 1 - col].append(i)
-    else:
-        parts, loads = [[] for _ in range(world)], [0.0] * world
-        for i in order:
-            r = min((r for r in range(world) if len(parts[r]) < per), key=lambda r: (loads[r], r))
-            parts[r].append(i)
-            loads[r] += costs[i]
-        if method == "lpt_swap":
-            _swap(costs, parts, loads)
-    return [sorted(p) for p in parts]
-
-
-def _kk(costs: Sequence[float], order: list[int], world: int) -> list[list[int]]:
-    """Balanced largest differencing: each run of `world` packs (in cost order) is a partial split, one pack per
-    rank; the two splits with the largest spread merge, heaviest part of one with lightest of the other."""
     heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
-    for k in range(0, len(order), world):
+    for k in range(0, n, world):
         parts = sorted(((costs[i], [i]) for i in order[k : k + world]), key=lambda p: -p[0])
         heapq.heappush(heap, (-(parts[0][0] - parts[-1][0]), k, parts))
     while len(heap) > 1:
@@ -190,39 +165,23 @@ def _kk(costs: Sequence[float], order: list[int], world: int) -> list[list[int]]
         merged = [(x[0] + y[0], x[1] + y[1]) for x, y in zip(a, reversed(b))]
         merged.sort(key=lambda p: (-p[0], p[1]))
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), k, merged))
-    return [p[1] for p in heap[0][2]] if heap else [[] for _ in range(world)]
+    return [sorted(p[1]) for p in heap[0][2]] if heap else [[] for _ in range(world)]
 
 
-def _swap(costs: Sequence[float], parts: list[list[int]], loads: list[float], rounds: int = 100) -> None:
-    """Pairwise swaps out of the most loaded rank, best first, while they lower the larger of the two loads."""
-    for _ in range(rounds):
-        top = max(range(len(parts)), key=lambda r: (loads[r], -r))
-        best = None
-        for r in range(len(parts)):
-            for a, i in enumerate(parts[top]):
-                for b, j in enumerate(parts[r]):
-                    d = costs[i] - costs[j]
-                    peak = max(loads[top] - d, loads[r] + d)
-                    if d > 0 and peak < loads[top] and (best is None or peak < best[0]):
-                        best = (peak, r, a, b, d)
-        if best is None:
-            return
-        _, r, a, b, d = best
-        parts[top][a], parts[r][b] = parts[r][b], parts[top][a]
-        loads[top] -= d
-        loads[r] += d
+#: a split of one step's packs over the ranks: `split(costs, world)` -> positions into `costs` per rank
+Split = Callable[[Sequence[float], int], list[list[int]]]
 
 
-def schedule(costs: Sequence[float], *, world: int, per_rank: int = 1, method: str = "kk") -> list[list[int]]:
+def schedule(costs: Sequence[float], *, world: int, per_rank: int = 1, split: Split = partition) -> list[list[int]]:
     """Which pack each rank trains at each step: sorted by cost, cut into steps of `world · per_rank`, each split by
-    [`partition`]; steps in the order of their first pack (data order, roughly). A final step of fewer packs takes
+    `split`; steps in the order of their first pack (data order, roughly). A final step of fewer packs takes
     a multiple of `world`.
 
     Args:
         costs (`Sequence[float]`): one cost per pack, in creation order; `len(costs)` a multiple of `world`.
         world (`int`): number of ranks.
         per_rank (`int`, defaults to 1): packs per rank per step (the DataLoader's `batch_size`).
-        method (`str`, defaults to `"kk"`): see [`partition`].
+        split (`Callable`, defaults to [`partition`]): divides one step's costs over the `world` ranks.
 
     Returns:
         `list[list[int]]`: groups of `world` positions into `costs`, the pack of rank r at [r]; every `per_rank`
@@ -238,7 +197,7 @@ def schedule(costs: Sequence[float], *, world: int, per_rank: int = 1, method: s
     steps = [order[k : k + size] for k in range(0, n, size)]
     groups = []
     for step in sorted(steps, key=min):
-        parts = sorted(sorted(step[i] for i in p) for p in partition([costs[i] for i in step], world, method))
+        parts = sorted(sorted(step[i] for i in p) for p in split([costs[i] for i in step], world))
         # ranks take the parts in data order, so no rank always gets the heaviest pack
         groups += [[parts[r][j] for r in range(world)] for j in range(len(parts[0]))]
     return groups

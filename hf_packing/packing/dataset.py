@@ -29,9 +29,9 @@ How it works, without any collective (1.-3. and 5. are a [`~hf_packing.packing.r
    interleaves workers round-robin, so the batches are the same, in the same order, for any `num_workers`. Only a
    worker's own packs get pixel processing ([`~hf_packing.preprocess.preprocessor.Preprocessor.process`]), which checks
    the processed length against the planned one.
-4. **Producer thread** ([`~hf_packing.packing.producer`]). Reading, planning and pixel work run in a background thread
-   feeding a queue of `prefetch` packs; its exceptions re-raise in the consumer; it stops when the iterator is closed
-   or garbage-collected. A bad row (a `SampleError`) is skipped and counted ([`PackStats`]), never fatal (unless
+4. **Where the work runs.** Reading, planning and pixel work run in the iterator itself: in each DataLoader worker
+   process (which the DataLoader already runs ahead of training, `prefetch_factor` batches each), or in the training
+   process with `num_workers=0`. A bad row (a `SampleError`) is skipped and counted ([`PackStats`]), never fatal (unless
    `on_error="raise"`) until its source has skipped more than `max_skipped_fraction` of its rows; any other exception
    is not a bad row and ends the pass.
 5. **Resume.** `state_dict()` is the state after the last pack *yielded*: the planner's open packs, the packs
@@ -69,7 +69,6 @@ from ..preprocess.preprocessor import Preprocessor
 from .balance import WorkCost
 from .length_index import with_length_index
 from .planner import CLOSE_REASONS
-from .producer import produce
 from .readers import make_source
 from .replica import Replica, preprocessors
 from .source_ids import SourceTagger
@@ -78,9 +77,10 @@ from .stats import PADDED_BATCH, PackStats
 __all__ = ["PackStats", "PackedDataset", "PackingConfig", "pack_dataset"]
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 5  # 3: scheduled steps and cost weights; 4: video skip reasons and counters in the PackStats row;
+_STATE_VERSION = 6  # 3: scheduled steps and cost weights; 4: video skip reasons and counters in the PackStats row;
 # 5: a mix without weights reads every row (stopping_strategy=None); closed_by, no unexpected_error in PackStats; rows
 # reach the chat template whole (lengths change), chat_template_kwargs and empty_thinking in the plan
+# 6: the planner no longer re-plans (other packs; planner state version 5)
 _MAX_SLOTS = 65  # rows of the shared stats table: the main process + up to 64 DataLoader workers
 
 _PLAN_KEYS = (
@@ -268,32 +268,20 @@ class PackedDataset(torch.utils.data.IterableDataset):
         *,
         in_worker: bool,
     ) -> Iterator[list[dict[str, Any]]]:
-        def work(put: Any) -> list[int]:
-            replica.run(put)
-            return replica.stats.to_row()
-
         slot = replica.worker + 1 if in_worker else 0
         self._shared[slot] = 0
         self._shared[slot, 0] = time.time()
         if start is not None:
             self._publish(slot, start["stats"])
-        name = f"hf_packing-r{replica.rank}w{replica.worker}"
-        items = produce(work, replica.stop, prefetch=self.cfg.prefetch, name=name, in_worker=in_worker)
-        try:
-            for kind, payload in items:
-                if kind == "done":
-                    self._publish(slot, payload)
-                    if not in_worker:
-                        self._len = replica.next_group
-                    if replica.rank == 0 and replica.worker == 0:
-                        self.stats(log=True)
-                    return
-                _, samples, position = payload
-                self._publish(slot, position["stats"])
-                self._state = {**self._header(), **where, "position": position}
-                yield samples
-        finally:  # this iterator was exhausted, closed or garbage-collected: the producer thread ends with it
-            items.close()
+        for samples, position in replica.run():
+            self._publish(slot, position["stats"])
+            self._state = {**self._header(), **where, "position": position}
+            yield samples
+        self._publish(slot, replica.stats.to_row())
+        if not in_worker:
+            self._len = replica.next_group
+        if replica.rank == 0 and replica.worker == 0:
+            self.stats(log=True)
 
     def _publish(self, slot: int, stats_row: list[int]) -> None:
         self._shared[slot, 1] = time.time()
@@ -414,7 +402,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
             unit=" rows",
             disable=disable or replica.rank != 0 or not sys.stderr.isatty(),
         ) as bar:
-            replica.run(None, progress=bar)
+            for _ in replica.run(process=False, progress=bar):
+                pass
         self._len = replica.next_group
         return self._len
 

@@ -5,35 +5,34 @@ A sample is `(tokens, images, vision patches)`. A pack holds at most `max_length
 dropped; every other sample is in exactly one pack.
 
 `"bfd"` (default) is best-fit decreasing over windows of `buffer_size` samples. Packs that are not full stay
-open for the next window, and a pack made in this window that is not full is dissolved and its samples are
-planned again with the next window (`repack_windows`), so leftovers get recombined:
+open for the next window, so the next window's samples fill them:
 
     max_length=16; window w, longest first: 10 6 5 4 2; pack 0 is open from window w-1 (13 tokens)
     each sample goes to the open pack with the least room that still fits it (ties: the oldest)
 
     pack 0 |0000000000000 22|  carried, room 1 < shortest sample  -> closed
     pack 1 |1111111111666666|  full                               -> closed
-    pack 2 |555554444       |  made in w, room 7                  -> dissolved: 5 and 4 are planned again
-                                                                     with window w+1
+    pack 2 |555554444       |  made in w, room 7                  -> open: window w+1 may fill it
 
 Closed packs come out in creation order. A pack also closes when it was carried over and got nothing, or
 when it can take no more images/patches; beyond `max_open_bins` the fullest close. Memory is
 O(buffer_size + max_open_bins).
 
-Trade-off (`benchmarks/RESULTS.md`, one core, buffer 1000): streaming BFD fills 0.9995 of the slots on a
-LLaVA-665k-like mix at 8k (whole dataset: 0.9997, no carry-over: 0.9934) and 0.9954 on 1-4-page documents at
-16k (whole dataset: 0.9960, no re-planning: 0.9943), at 25-57x the samples/s of TRL's BFD in the same run.
-Re-planning costs 4-38% of that speed. A sample with images walks past packs whose token room fits but whose
+Trade-off (`benchmarks/RESULTS.md`, one core, buffer 1000): streaming BFD fills 0.9993 of the slots on a
+LLaVA-665k-like mix at 8k (whole dataset: 0.9997, no carry-over: 0.9934) and 0.9943 on 1-4-page documents at
+16k (whole dataset: 0.9960; buffer 2000: 0.9953). Dissolving and re-planning a window's packs that were not full
+bought at most 0.15 points of fill at this window size and took 10-33% of the planner's time, so packs are never
+re-planned; a larger `buffer_size` buys more. A sample with images walks past packs whose token room fits but whose
 image/patch room does not: nothing while the budgets do not bind. `"next_fit"` keeps input order (streaming
 equals whole-dataset) but wastes 5% of every step at 8k (0.948).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, repeat
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -42,7 +41,7 @@ from ..config import DEFAULT_STRATEGY, STRATEGIES
 
 __all__ = ["CLOSE_REASONS", "Bin", "StreamingPlanner", "plan_packs"]
 
-_STATE_VERSION = 4  # 4: closed_by
+_STATE_VERSION = 5  # 4: closed_by; 5: no re-planning (no `born` per pack, no repack settings)
 #: why a pack closed: the budget it reached (`tokens`: no sample fits its token room; `images` / `patches`: no media
 #: sample fits), `open_packs` (the fullest close beyond `max_open_bins`) or `end` (the input ended while it still had
 #: room: `flush`). A pack that no sample fitted during a window closes under the budget it is fullest in
@@ -59,8 +58,7 @@ Columns = tuple[list[int], list[int], list[int], list[int]]  # indices, tokens, 
 @dataclass(slots=True)
 class Bin:
     """An open pack: one entry per sample in `items` (indices) and `lengths`, and in `images` / `patches` when a
-    media budget is set (else empty); the totals; and `born`, set while the next window may dissolve and
-    re-plan the pack: the earliest window any of its samples was first planned in."""
+    media budget is set (else empty); and the totals."""
 
     items: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
@@ -69,7 +67,6 @@ class Bin:
     tokens: int = 0
     num_images: int = 0
     num_patches: int = 0
-    born: int | None = None
 
 
 def check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> Any:
@@ -120,13 +117,7 @@ class StreamingPlanner:
         max_open_bins (`int`, *optional*): Most packs carried over between windows; beyond it the fullest close.
             Defaults to `buffer_size`.
         close_threshold (`int`, *optional*): A pack with at most this much token room closes at the end of a window.
-            Defaults to `max_length // 200` (0.5%). A pack with less room than the shortest sample seen closes too,
-            unless the next window re-plans it.
-        repack_windows (`int`, *optional*, defaults to 2): `"bfd"`: how many later windows may dissolve and re-plan a
-            sample whose pack is still open; a pack holding a sample re-planned this often keeps its samples. `0`
-            disables re-planning.
-        repack_budget (`int`, *optional*): `"bfd"`: most samples re-planned per window, emptiest packs first (the others
-            keep their samples). Defaults to `buffer_size // 4`, which bounds the extra work.
+            Defaults to `max_length // 200` (0.5%). A pack with less room than the shortest sample seen closes too.
     """
 
     def __init__(
@@ -139,8 +130,6 @@ class StreamingPlanner:
         buffer_size: int | None = None,
         max_open_bins: int | None = None,
         close_threshold: int | None = None,
-        repack_windows: int = 2,
-        repack_budget: int | None = None,
     ) -> None:
         if strategy not in STRATEGIES:
             valid = ", ".join(map(repr, STRATEGIES))
@@ -158,13 +147,6 @@ class StreamingPlanner:
         self.close_threshold: int = check_int(
             "close_threshold", self.max_length // 200 if close_threshold is None else close_threshold, minimum=0
         )
-        self.repack_windows: int = check_int("repack_windows", repack_windows, minimum=0)
-        self.repack_budget: int | None = check_int(
-            "repack_budget",
-            buffer_size // 4 if repack_budget is None and buffer_size else repack_budget,
-            minimum=0,
-            allow_none=True,
-        )
         self._media = self.max_images is not None or self.max_vision_patches is not None
         self._mi = _UNLIMITED if self.max_images is None else self.max_images
         self._mp = _UNLIMITED if self.max_vision_patches is None else self.max_vision_patches
@@ -173,7 +155,7 @@ class StreamingPlanner:
     def _reset(self) -> None:
         self._open: dict[int, Bin] = {}  # bin_id -> pack; ids only grow, so dict order is creation order
         self._pending: Columns = ([], [], [], [])
-        self._next_id = self._num_seen = self._num_dropped = self._num_windows = self._num_emitted = 0
+        self._next_id = self._num_seen = self._num_dropped = self._num_emitted = 0
         self._closed_by = dict.fromkeys(CLOSE_REASONS, 0)
         self._min_len: int | None = None
         # Fewest images / patches on a sample with any media: a pack with less room takes no media sample.
@@ -188,26 +170,23 @@ class StreamingPlanner:
             "buffer_size",
             "max_open_bins",
             "close_threshold",
-            "repack_windows",
-            "repack_budget",
         )
         return {key: getattr(self, key) for key in keys}
 
     def state_dict(self) -> dict[str, Any]:
         """The complete state as plain JSON-able data: the settings (checked on load), the open packs as
-        `[bin_id, indices, lengths, images, patches, born]`, the pending samples and the counters."""
+        `[bin_id, indices, lengths, images, patches]`, the pending samples and the counters."""
         return {
             "version": _STATE_VERSION,
             "config": self._config(),
             "open_bins": [
-                [bid, list(b.items), list(b.lengths), list(b.images), list(b.patches), b.born]
-                for bid, b in self._open.items()
+                [bid, list(b.items), list(b.lengths), list(b.images), list(b.patches)] for bid, b in self._open.items()
             ],
             "pending": dict(zip(("indices", "lengths", "images", "patches"), map(list, self._pending))),
             "next_bin_id": self._next_id,
             "min_length_seen": self._min_len,
             "min_media_seen": None if self._min_media is None else list(self._min_media),
-            **{f"num_{k}": getattr(self, f"_num_{k}") for k in ("seen", "dropped", "windows", "emitted")},
+            **{f"num_{k}": getattr(self, f"_num_{k}") for k in ("seen", "dropped", "emitted")},
             "closed_by": dict(self._closed_by),
         }
 
@@ -229,11 +208,9 @@ class StreamingPlanner:
                     f"has `{key}`={value!r}; construct the planner with the same `{key}` to resume."
                 )
         self._reset()
-        for bid, *cols, born in state["open_bins"]:
+        for bid, *cols in state["open_bins"]:
             items, lens, imgs, pats = ([int(x) for x in col] for col in cols)
-            self._open[int(bid)] = Bin(
-                items, lens, imgs, pats, sum(lens), sum(imgs), sum(pats), None if born is None else int(born)
-            )
+            self._open[int(bid)] = Bin(items, lens, imgs, pats, sum(lens), sum(imgs), sum(pats))
         self._pending = tuple(
             [int(x) for x in state["pending"][k]]  # type: ignore[assignment]
             for k in ("indices", "lengths", "images", "patches")
@@ -241,7 +218,7 @@ class StreamingPlanner:
         self._next_id = int(state["next_bin_id"])
         self._min_len = None if state["min_length_seen"] is None else int(state["min_length_seen"])
         self._min_media = None if state["min_media_seen"] is None else tuple(map(int, state["min_media_seen"]))
-        for k in ("seen", "dropped", "windows", "emitted"):
+        for k in ("seen", "dropped", "emitted"):
             setattr(self, f"_num_{k}", int(state[f"num_{k}"]))
         self._closed_by.update({k: int(v) for k, v in state["closed_by"].items()})
 
@@ -349,23 +326,8 @@ class StreamingPlanner:
             if media:
                 media += [self._min_media] if self._min_media else []
                 self._min_media = min(im for im, _ in media), min(pa for _, pa in media)
-        # Dissolve the packs this window re-plans: their samples go first (pack creation order; the stable sort
-        # keeps them ahead of new samples of equal length). `born_of`: window a re-planned sample was first
-        # planned in (with repeated indices the earliest, so a sample can only look older).
-        born_of: dict[int, int] = {}
-        old: Columns = ([], [], [], [])
-        carried: dict[int, int] = {}  # pack -> its samples before this window, for packs that keep their samples
-        for bid, b in list(self._open.items()):
-            if b.born is None:
-                carried[bid] = len(b.items)
-                continue
-            del self._open[bid]
-            for col, values in zip(old, (b.items, b.lengths, b.images, b.patches)):
-                col += values
-            for x in b.items:
-                born_of[x] = min(born_of.get(x, b.born), b.born)
-        window: Columns = (old[0] + idx, old[1] + lens, old[2] + imgs, old[3] + pats)
-        self._num_windows += bool(window[0])
+        window: Columns = (idx, lens, imgs, pats)
+        carried = {bid: len(b.items) for bid, b in self._open.items()}  # open pack -> its samples before this window
         if self.strategy == "next_fit":
             packs = self._next_fit(window, final)
         else:
@@ -373,7 +335,7 @@ class StreamingPlanner:
             if final:
                 packs = self._close(list(self._open), {bid: self._closed_at_end(b) for bid, b in self._open.items()})
             else:
-                packs = self._close_full(carried, born_of)
+                packs = self._close_full(carried)
         self._num_emitted += len(packs)
         return packs
 
@@ -484,77 +446,41 @@ class StreamingPlanner:
         used += [(b.num_patches / mp, "patches")] if mp else []
         return max(used, key=lambda u: u[0])[1]
 
-    def _close_full(self, carried: dict[int, int], born_of: dict[int, int]) -> list[list[int]]:
-        """Closes the full packs after a BFD window and marks the young ones, which the next window re-plans.
+    def _close_full(self, carried: dict[int, int]) -> list[list[int]]:
+        """Closes the full packs after a BFD window; `carried`: the packs open before it, with their sample counts.
 
-        A pack made in this window is young while none of its samples was re-planned `repack_windows` times,
-        tokens are its fullest budget and it can still take a media sample (when images/patches bind,
-        re-planning for token fit cost 0.1-0.3% more packs); it closes only when its room is within
-        `close_threshold`. Any other pack closes when it was carried over and got nothing, when its room is below
-        the shortest sample seen, or when it can take no media sample any more (image room below the fewest
+        A pack closes when its token room is within `close_threshold` or below the shortest sample seen, when it was
+        carried over and got nothing, or when it can take no media sample any more (image room below the fewest
         images, or patch room within 0.5% of `max_vision_patches` / below the fewest patches, of a media sample):
         waiting for text-only samples could keep it open forever. Over `max_open_bins` the fullest (largest used
-        fraction of any budget) close; over `repack_budget` re-planned samples the fullest young packs keep their
-        samples (and close if nothing fits them).
+        fraction of any budget) close.
         """
-        ml, ct, w, bins, media, mi, mp = (
-            self.max_length,
-            self.close_threshold,
-            self._num_windows,
-            self._open,
-            self._media,
-            self._mi,
-            self._mp,
-        )
+        ml, bins, media, mi, mp = self.max_length, self._open, self._media, self._mi, self._mp
         tok_thr, img_thr, pat_thr = self._thresholds()
-        replan = self.repack_windows > 0 and self.max_open_bins != 0 and self.repack_budget != 0
-        too_old = {x for x, born in born_of.items() if born <= w - self.repack_windows}
         closing: dict[int, str] = {}  # pack -> why it closes
         keep: list[int] = []
-        young: list[int] = []
         for bid, b in bins.items():
             room = ml - b.tokens
-            stuck = media and (mi - b.num_images <= img_thr or mp - b.num_patches <= pat_thr)
-            if (
-                replan
-                and bid not in carried
-                and not stuck
-                and (
-                    not media
-                    or (b.num_images * ml <= (b.tokens or 1) * mi and b.num_patches * ml <= (b.tokens or 1) * mp)
-                )
-                and (not too_old or too_old.isdisjoint(b.items))
-            ):
-                if room <= ct:
-                    closing[bid] = "tokens"
-                    continue
-                young.append(bid)
-            elif room <= tok_thr or stuck or carried.get(bid) == len(b.items):
-                if stuck:
-                    closing[bid] = "images" if mi - b.num_images <= img_thr else "patches"
-                else:
-                    closing[bid] = "tokens" if room <= tok_thr else self._binding(b)
-                continue
-            keep.append(bid)
-
-        def fullness(bid: int) -> tuple[float, int]:
-            b, mi, mp = bins[bid], self.max_images, self.max_vision_patches
-            return max(b.tokens / ml, b.num_images / mi if mi else 0, b.num_patches / mp if mp else 0), bid
-
+            if media and mi - b.num_images <= img_thr:
+                closing[bid] = "images"
+            elif media and mp - b.num_patches <= pat_thr:
+                closing[bid] = "patches"
+            elif room <= tok_thr:
+                closing[bid] = "tokens"
+            elif carried.get(bid) == len(b.items):
+                closing[bid] = self._binding(b)
+            else:
+                keep.append(bid)
         if self.max_open_bins is not None and len(keep) > self.max_open_bins:
-            keep.sort(key=lambda bid: (-fullness(bid)[0], bid))
-            over = set(keep[: len(keep) - self.max_open_bins])
-            closing.update(dict.fromkeys(over, "open_packs"))
-            young = [bid for bid in young if bid not in over]
-        if young and self.repack_budget is not None:
-            young.sort(key=fullness)  # emptiest first: they gain most from re-planning
-            k = bisect_right(list(accumulate(len(bins[bid].items) for bid in young)), self.repack_budget)
-            closing.update({bid: "tokens" for bid in young[k:] if ml - bins[bid].tokens <= tok_thr})  # over budget
-            del young[k:]
-        packs = self._close(list(closing), closing)
-        for bid in young:
-            bins[bid].born = min(born_of.get(x, w) for x in bins[bid].items) if born_of else w
-        return packs
+            mi, mp = self.max_images, self.max_vision_patches
+
+            def fullness(bid: int) -> float:
+                b = bins[bid]
+                return max(b.tokens / ml, b.num_images / mi if mi else 0, b.num_patches / mp if mp else 0)
+
+            keep.sort(key=lambda bid: (-fullness(bid), bid))
+            closing.update(dict.fromkeys(keep[: len(keep) - self.max_open_bins], "open_packs"))
+        return self._close(list(closing), closing)
 
 
 def plan_packs(

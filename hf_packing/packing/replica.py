@@ -13,9 +13,8 @@ library API break, a bug) is not a bad row and ends the pass, on every replica t
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from .source_ids import SOURCE_ID, SourceTagger
 from .stats import PackStats, check_skips, check_yield, overlong_tokens
 
 __all__ = ["Replica", "preprocessors"]
+Owned = tuple[list[dict[str, Any]], dict[str, Any]]  # a pack this replica owns: its processed samples, the position
 
 
 def preprocessors(cfg: PackingConfig, processor: Any, names: list[str]) -> dict[str | None, Preprocessor]:
@@ -112,7 +112,6 @@ class Replica:
             }
             for n, p in self.preprocessors.items()
         }
-        self.stop = threading.Event()
         if position is not None:
             self._restore(position)
         self.stats.planning_skips.log = self.rank == 0 and worker == 0  # one replica per run logs planning skips
@@ -147,12 +146,10 @@ class Replica:
         self.stats = PackStats.from_row(self.stats.sources, position["stats"])
 
     # ------------------------------------------------------------------------------------------------ main loop
-    def run(self, put: Callable[[Any], bool] | None, *, progress: Any = None) -> None:
-        """Reads the whole source. With `put=None` only plans (counts groups); else `put(("pack", samples,
-        position))` for each owned pack, stopping early when `put` returns `False` or `stop` is set."""
+    def run(self, *, process: bool = True, progress: Any = None) -> Iterator[Owned]:
+        """Reads the whole source, yielding `(samples, position)` for each pack this replica owns, processed. With
+        `process=False` it only plans (counts groups) and yields nothing. Stopping early is closing the iterator."""
         for row, state_after in self.source.rows(self.source_positions[self.next_row], self.epoch):
-            if self.stop.is_set():
-                return
             index, self.next_row = self.next_row, self.next_row + 1
             self.source_positions[self.next_row] = state_after
             if not self.next_row % 4096:  # bounded even when rows keep being skipped and no pack closes
@@ -166,14 +163,13 @@ class Replica:
             meta = self._keep(index, row, count=True)
             if meta is not None:
                 packs = self.planner.add(index, meta.num_tokens, meta.num_images, meta.vision_patches)
-                if packs and not self._assign_groups(packs, put):
-                    return
+                if packs:
+                    yield from self._assign_groups(packs, process)
         # every row is read: the skip checks come before the last packs are yielded (a short run ends on those)
         check_yield(self.stats, groups=None, world=self.world)
         for source in self.stats.sources:
             self._check_skips(source, min_rows=0)
-        if not self._assign_groups(self.planner.flush(), put, final=True, spread=self.cfg.leftovers == "spread"):
-            return
+        yield from self._assign_groups(self.planner.flush(), process, final=True, spread=self.cfg.leftovers == "spread")
         self.stats.leftover_packs = len(self.unassigned)
         self.stats.leftover_samples = sum(len(p) for p in self.unassigned)
         self.stats.complete = 1
@@ -239,15 +235,15 @@ class Replica:
     def _assign_groups(
         self,
         packs: list[list[int]],
-        put: Callable[[Any], bool] | None,
+        process: bool,
         *,
         final: bool = False,
         spread: bool = False,
-    ) -> bool:
+    ) -> Iterator[Owned]:
         """Schedules each full balance window of closed packs (at the end, `final`, every full group of `world`) into
-        groups of one pack per rank, then processes and `put`s this replica's. With `spread` (``leftovers="spread"``,
-        at the end) the last incomplete group goes one pack per rank, in rank order, ranks past its end getting a
-        1-token filler: every pack is yielded once and ranks take equal steps."""
+        groups of one pack per rank, then, when `process`, processes and yields this replica's with its position. With
+        `spread` (``leftovers="spread"``, at the end) the last incomplete group goes one pack per rank, in rank order,
+        ranks past its end getting a 1-token filler: every pack is yielded once and ranks take equal steps."""
         self.stats.planned_packs += len(packs)
         self.stats.closed_by = Counter(self.planner.closed_by)
         self.unassigned.extend(packs)
@@ -267,16 +263,14 @@ class Replica:
             else:
                 group, self.unassigned = self.unassigned, []
                 pack = group[self.rank] if self.rank < len(group) else []
-            mine = put is not None and (self.next_group // self.cfg.batch_size) % self.workers == self.worker
+            mine = process and (self.next_group // self.cfg.batch_size) % self.workers == self.worker
             self.next_group += 1
             samples = self._process(pack) if mine else []
             for i in (i for p in group for i in p):
                 self.held.pop(i, None)
             if mine:
                 planner = planner or self.planner.state_dict()
-                if not put(("pack", samples, self.position(planner))):
-                    return False
-        return True
+                yield samples, self.position(planner)
 
     def _filler(self) -> dict[str, Any]:
         """A 1-token sample without targets: a pack that keeps ranks in step and adds nothing to the loss."""

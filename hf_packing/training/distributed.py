@@ -13,13 +13,13 @@ loaded machine. The Trainer never destroys the group it (through accelerate) cre
 barrier waits for this rank's earlier asynchronous work), a garbage collection (finished `Work` objects held in
 reference cycles, by FSDP2 or DDP hooks for example, let go of their tensors now, on this thread), then
 `torch.distributed.destroy_process_group()`, which joins the group's threads while the interpreter is whole.
-The packer's own producer threads are stopped at exit by `hf_packing.packing.producer` itself.
+The packer starts no thread of its own.
 
 That is not always enough: 1 launch in about 200 of the test suite's 2-process scripts still aborted after
 `end_distributed` (`recipes/train.py`, rank 1, after saving; 9 runs of the 22 multi-process tests on a loaded
 2-core machine). Whatever thread of torch's or a library's is still inside a C++ call then, the abort can only
 happen in the interpreter's finalization. `end_process` skips it the way `multiprocessing` ends every child
-process: run the `atexit` handlers (logging, the producers' stop, multiprocessing's own), flush the standard
+process: run the `atexit` handlers (logging's, multiprocessing's own), flush the standard
 streams, then `os._exit`. A script's `if __name__ == "__main__":` block ends with it.
 """
 
@@ -64,7 +64,7 @@ def end_process(exit_code: int = 0) -> NoReturn:
     Files a script left open (not closed by a ``with`` block or a handler) are not flushed.
     """
     try:
-        atexit._run_exitfuncs()  # logging.shutdown, the producers' stop, multiprocessing's children
+        atexit._run_exitfuncs()  # logging.shutdown, multiprocessing's children
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
