@@ -45,7 +45,7 @@ from ..ops.flops import ModelFlops
 __all__ = ["WorkCost", "model_flops", "partition", "schedule", "step_spread"]
 
 #: Qwen2.5-VL-7B-Instruct's config (what the weights' shapes need): the default when no model config is given
-_QWEN2_5_VL_7B = {
+_QWEN2_5_VL_7B: dict[str, Any] = {
     "text_config": {
         "hidden_size": 3584,
         "num_hidden_layers": 28,
@@ -88,8 +88,9 @@ def model_flops(config: Any = None, *, vision_trainable: bool = True) -> ModelFl
 
         config = copy.deepcopy(config)
         config._attn_implementation = "eager"  # the shapes only: a flash_attention_2 config builds without flash-attn
+        model_class: Any = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
         with torch.device("meta"):
-            model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)](config)
+            model = model_class(config)
         _COUNTED[key] = dataclasses.replace(ModelFlops.from_model(model), vision_trainable=vision_trainable)
     return _COUNTED[key]
 

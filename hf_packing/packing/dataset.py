@@ -198,13 +198,14 @@ class PackedDataset(torch.utils.data.IterableDataset):
         """
         if self.cfg.leftovers == "spread":
             return self
-        if getattr(self, "_eval_view", None) is None:
+        view = getattr(self, "_eval_view", None)
+        if view is None:
             view = copy.copy(self)
             view.cfg = dataclasses.replace(self.cfg, leftovers="spread")
             view._shared = torch.zeros_like(self._shared).share_memory_()
             view._next_start = view._state = view._len = view._eval_view = None
             self._eval_view = view
-        return self._eval_view
+        return view
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -233,8 +234,8 @@ class PackedDataset(torch.utils.data.IterableDataset):
         }
         start, self._next_start = self._next_start, None
         position = start.get("position") if start else None
-        for key, value in where.items() if position is not None else ():
-            if start[key] != value:
+        for key, value in where.items() if start is not None and position is not None else ():
+            if start is not None and start[key] != value:
                 raise ValueError(
                     f"state was saved with {key}={start[key]} but this run has {key}={value}; resume "
                     f"with the same {key} (DataLoader num_workers, torch.distributed world)"

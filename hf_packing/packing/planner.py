@@ -217,7 +217,8 @@ class StreamingPlanner:
         )
         self._next_id = int(state["next_bin_id"])
         self._min_len = None if state["min_length_seen"] is None else int(state["min_length_seen"])
-        self._min_media = None if state["min_media_seen"] is None else tuple(map(int, state["min_media_seen"]))
+        media = state["min_media_seen"]
+        self._min_media = None if media is None else (int(media[0]), int(media[1]))
         for k in ("seen", "dropped", "emitted"):
             setattr(self, f"_num_{k}", int(state[f"num_{k}"]))
         self._closed_by.update({k: int(v) for k, v in state["closed_by"].items()})

@@ -100,7 +100,8 @@ class Replica:
         self.ready: list[list[list[int]]] = []  # scheduled groups (one pack per rank) not yet handed out
         self.next_group = 0
         self.source_positions: dict[int, Any] = {0: None}  # row -> source position before it (from the oldest held)
-        self.next_row, self.replay_until, self.replay = 0, 0, set()  # rows before replay_until: re-read, not planned
+        self.next_row, self.replay_until = 0, 0
+        self.replay: set[int] = set()  # rows before replay_until: re-read, not planned
         self.stats = PackStats(names)
         self.skip_examples: dict[tuple[str | None, str], tuple[int, str]] = {}  # (source, reason) -> its first row
         self.longest: dict[str | None, int] = {}  # source -> its longest overlong sample

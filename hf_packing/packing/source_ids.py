@@ -71,7 +71,7 @@ class SourceTagger:
 
     def __call__(self, mix_source: str | None, row: Mapping[str, Any]) -> int:
         """The source id of ``row``, read from the mix (``mix_source``) or from ``row[column]``."""
-        name = mix_source if self.column is None else row[self.column]
+        name: Any = mix_source if self.column is None else row[self.column]
         if self._labels:
             return int(name)
         return self._ids[str(name)]
