@@ -155,7 +155,7 @@ def test_every_part_says_what_it_owns_and_may_import():
     for package in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()):
         doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
         assert doc.count("\n\n") >= 0 and len(doc) > 80, f"{package.name}/__init__.py has no docstring"
-    for name in ("ops", "preprocess", "packing", "parallel", "training"):
+    for name in ("ops", "preprocess", "packing", "parallel", "patches", "training", "testing", "cli"):
         doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))
         assert "Owns:" in doc and "May import:" in doc, name
 
@@ -190,3 +190,17 @@ def test_the_layer_check_finds_an_upward_import():
         "hf_packing.ops.loss imports hf_packing.patches",
         "hf_packing.patches._forward imports hf_packing.packing.dataset",
     ]
+
+
+def test_the_public_names_are_unchanged_and_each_imports():
+    """The package's public surface stayed what it was before the parts moved into subpackages."""
+    import hf_packing
+
+    assert sorted(hf_packing.__all__) == sorted(
+        [
+            *("apply_rmpad", "revert_rmpad", "supported_model_types", "plan_packs", "pack_dataset"),
+            *("PackingConfig", "VisionCollator", "prepare_trainer", "end_distributed", "end_process"),
+        ]
+    )
+    for name in hf_packing.__all__:
+        assert callable(getattr(hf_packing, name)), name

@@ -1,5 +1,8 @@
 """``hf-packing``: ``demo`` (train a tiny model end to end on CPU), ``stats`` (packing statistics from metadata) and
-``plot`` (loss and token accuracy curves, overall and per source, of a Trainer run)."""
+``plot`` (loss and token accuracy curves, overall and per source, of a Trainer run).
+
+Owns: the command line and its pictures (`plots`). May import: every part of the package (the top layer).
+"""
 
 from __future__ import annotations
 

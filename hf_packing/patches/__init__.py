@@ -7,6 +7,11 @@ gradient-accumulation steps and ranks), and answers "flash" to the vision tower'
 ``cu_seqlens`` reach the varlen kernels. Hybrid families (Qwen3.5) also get their linear-attention kernels
 replaced by boundary-aware ones (see `_linear`). Once for all families it wraps transformers' attention registry
 (see `_attention`). Everything else, decoder layers, norms, MLPs, DeepStack, stays transformers' own code.
+
+Owns: the model side, transformers' classes as patched (`_forward`, `_backbone`, `_vision`, `_flatten`,
+`_attention`, `_linear`; the call record `_call`; the family table `_spec`), the loader guard (`prepared`) and the
+applied sequence-parallel state (`sequence_parallel`). May import: `hf_packing.ops`, `hf_packing.parallel`,
+`_compat` and transformers; never the packer, the preprocessing or the Trainer side.
 """
 
 from __future__ import annotations
