@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from unittest import mock
@@ -343,3 +344,21 @@ def test_train_py_on_two_processes_trains_evaluates_and_exits_0(tmp_path):
     assert "terminate called" not in proc.stderr
     assert proc.stdout.count("'eval_loss'") == 2, proc.stdout[-2000:]  # evaluated after each of the 2 steps
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_mistyped_dataset_path_is_a_setting_error_naming_it(train, tmp_path):
+    """A dataset_path / eval_dataset_path that does not exist stops the run before the processor or model loads,
+    with an error naming the setting and the closest file names (run as a script: that line, no traceback)."""
+    real = _write_data(tmp_path / "data")
+    typo = real.with_name("trian.jsonl")
+    base = [str(RECIPES / "configs/tiny_cpu.yaml"), "--model_name_or_path", str(tmp_path / "no-model")]
+    base += ["--output_dir", str(tmp_path / "out")]
+    with pytest.raises(
+        train.SettingError,
+        match=rf"^dataset_path: '{re.escape(str(typo))}' does not exist.*did you mean '{re.escape(str(real))}'",
+    ):
+        train.main([*base, "--dataset_path", str(typo)])
+    with pytest.raises(train.SettingError, match=r"^eval_dataset_path: .*nothing\*\.jsonl' does not exist"):
+        train.main([*base, "--dataset_path", str(real), "--eval_dataset_path", str(tmp_path / "nothing*.jsonl")])
+    assert issubclass(train.SettingError, ValueError)
+    assert "except SettingError" in (RECIPES / "train.py").read_text()
