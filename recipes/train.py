@@ -141,6 +141,9 @@ def prepare_training_args(args: TrainingArguments) -> TrainingArguments:
     # must not read and broadcast them (dispatch) nor split one batch across ranks.
     args.accelerator_config.dispatch_batches = False
     args.accelerator_config.split_batches = False
+    # The DataLoader pins every tensor of the collator's batch (dataloader_pin_memory, on by default; the nested
+    # vision_inputs too); from pinned memory the batch's host-to-device copies can run without the host waiting.
+    args.accelerator_config.non_blocking = bool(args.dataloader_pin_memory)
     if args.max_steps <= 0:
         raise ValueError("set max_steps: a packed stream has no length, so num_train_epochs cannot define the run")
     return args

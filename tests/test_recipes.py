@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 import yaml
-from conftest import image, torchrun
+from conftest import MODEL_TYPES, image, torchrun
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TRAIN_CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
@@ -89,6 +89,9 @@ def test_prepare_training_args_forces_pack_settings(train, caplog):
     assert "overridden to 1" in caplog.text and args.per_device_train_batch_size == 1
     assert args.remove_unused_columns is False
     assert args.accelerator_config.dispatch_batches is False and args.accelerator_config.split_batches is False
+    assert args.accelerator_config.non_blocking is False  # use_cpu: transformers turns pinning off
+    pinned = train.prepare_training_args(TrainingArguments(output_dir="unused", max_steps=3, report_to=[]))
+    assert pinned.dataloader_pin_memory and pinned.accelerator_config.non_blocking  # copies not waited on
     with pytest.raises(ValueError, match="max_steps"):
         train.prepare_training_args(TrainingArguments(output_dir="unused", use_cpu=True, report_to=[]))
 
@@ -362,3 +365,48 @@ def test_a_mistyped_dataset_path_is_a_setting_error_naming_it(train, tmp_path):
         train.main([*base, "--dataset_path", str(real), "--eval_dataset_path", str(tmp_path / "nothing*.jsonl")])
     assert issubclass(train.SettingError, ValueError)
     assert "except SettingError" in (RECIPES / "train.py").read_text()
+
+
+@pytest.mark.parametrize("mode", ["rows", "flat"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_the_collators_batch_is_pinnable_every_tensor_nested_ones_too(model_type, mode, monkeypatch):
+    """The recipes pin the batch (``dataloader_pin_memory``) and copy it with ``non_blocking``: torch's DataLoader
+    pinning (``pin_memory`` of ``torch.utils.data``) must reach every tensor of the collator's batch, the nested
+    ``vision_inputs`` too, each a dense CPU tensor, and give the batch back in the same structure. Pinning needs an
+    accelerator, so ``Tensor.pin_memory`` is a recording stand-in here."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from hf_packing import VisionCollator
+    from hf_packing.testing.tiny import tiny_config
+    from tests.conftest import load_processor, processed_samples
+
+    processor = load_processor(model_type)
+    batch = VisionCollator(processor, mode=mode, model_config=tiny_config(model_type))(processed_samples(processor))
+    assert "vision_inputs" in batch and any(isinstance(v, torch.Tensor) for v in batch["vision_inputs"].values())
+
+    def tensors(obj, path=""):
+        if isinstance(obj, torch.Tensor):
+            yield path, obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                yield from tensors(v, f"{path}.{k}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                yield from tensors(v, f"{path}[{i}]")
+        else:
+            assert obj is None or isinstance(obj, (int, float, bool, str)), (path, type(obj))
+
+    before = dict(tensors(batch))
+    for path, t in before.items():
+        assert t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous(), path
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a, **k: pinned.append(t) or t.clone())
+    out = pin_memory(batch)
+    assert sorted(map(id, pinned)) == sorted(map(id, before.values()))  # every tensor, once
+    after = dict(tensors(out))
+    assert after.keys() == before.keys() and type(out) is type(batch)
+    for path, t in after.items():
+        assert torch.equal(t, before[path]), path
+    assert {k: v for k, v in out.items() if not isinstance(v, (torch.Tensor, dict))} == {
+        k: v for k, v in batch.items() if not isinstance(v, (torch.Tensor, dict))
+    }
