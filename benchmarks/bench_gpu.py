@@ -35,6 +35,14 @@ host syncs per step: one more (untimed) step under ``torch.cuda.set_sync_debug_m
 (one per synchronizing CUDA call, with the Python line that issued it) are counted and their top origins
 printed; on CPU (``--smoke``) `hf_packing.testing.syncs.SyncCounter` counts the same ops instead.
 
+Sync gate: on CUDA the patched (rmpad) arms run their measured steps (forward, loss, backward, optimizer) under
+``torch.cuda.set_sync_debug_mode("error")`` (the previous mode restored after each step). A sync raises; the bench
+then records where it came from and goes on with that arm without the debug mode, so timings still come out. A
+sync raised inside backward has no Python frame of its own (autograd's engine reports it at
+``torch/autograd/graph.py``), so one more step runs under ``torch.autograd.detect_anomaly(check_nan=False)``, whose
+report names the backward node and the forward line that created it. Printed as ``[gpu] sync gate ...`` lines and
+written to the table's notes.
+
 MFU = model FLOPs / (step time x peak bf16 FLOP/s), with model FLOPs per step =
   6 · N_text · T  +  6 · L · d · Σ_docs len²           (text: N_text = non-embedding params + lm_head,
                                                         T real tokens, L layers, d = hidden; causal)
@@ -59,10 +67,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib.util
 import os
+import re
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -331,6 +342,73 @@ def available_arms(device_type: str, sp: int = 1) -> list[tuple[str, str, str, s
     return arms
 
 
+@contextlib.contextmanager
+def sync_debug_mode(mode: str | None):
+    """``torch.cuda.set_sync_debug_mode(mode)`` for the block (``None``: unchanged), the previous mode restored."""
+    import torch
+
+    if mode is None:
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def is_sync_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is what ``set_sync_debug_mode("error")`` raises on a synchronizing CUDA call."""
+    return isinstance(exc, RuntimeError) and "synchroniz" in str(exc)
+
+
+def _frames(frames, last: int) -> str:
+    """``file:line (function)`` of the last ``last`` frames outside torch.nn's module call wrappers."""
+    keep = [f for f in frames if not f.filename.endswith(("torch/nn/modules/module.py", "contextlib.py"))]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} ({f.name})" for f in reversed(keep[-last:]))
+
+
+def _in_backward(exc: BaseException) -> bool:
+    """Raised inside ``loss.backward()`` (autograd's engine): a C++ backward op that synced has no Python frame of
+    its own, a Python ``backward`` one only its own lines; the forward that created the node says more."""
+    return any(
+        f.filename.replace(os.sep, "/").endswith(("torch/autograd/graph.py", "torch/autograd/__init__.py"))
+        for f in traceback.extract_tb(exc.__traceback__)
+    )
+
+
+def backward_sync_origin(step: Callable[[], None]) -> str:
+    """Run ``step`` (forward + backward) under ``set_sync_debug_mode("error")`` and ``detect_anomaly``: the backward
+    node that synced and the forward lines that created it (anomaly mode's report), or what else happened."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with torch.autograd.detect_anomaly(check_nan=False), sync_debug_mode("error"):
+                step()
+        except RuntimeError as exc:
+            if not is_sync_error(exc):
+                return f"anomaly step failed otherwise: {str(exc).splitlines()[0][:200]}"
+            if not _in_backward(exc):
+                return "forward: " + _frames(traceback.extract_tb(exc.__traceback__), 4)
+        else:
+            return "anomaly step did not sync (the sync depends on state the earlier step left)"
+    for w in caught:
+        text = str(w.message)
+        node = re.search(r"Error detected in (\w+)", text)
+        if node is None:
+            continue
+        files = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', text)
+        files = [(f, n, fn) for f, n, fn in files if not f.endswith("torch/nn/modules/module.py")]
+        where = " <- ".join(f"{Path(f).name}:{n} ({fn})" for f, n, fn in reversed(files[-4:]))
+        return f"backward node {node[1]}, created in forward at {where or '(no Python frame)'}"
+    return "backward: no anomaly report (the node's forward trace was not recorded)"
+
+
 def count_syncs(step: Callable[[], None], device) -> tuple[int, collections.Counter]:
     """Host syncs of one call of ``step``: (count, origins ``file:line`` -> count).
 
@@ -369,9 +447,43 @@ def run_setting(
     cuda = device.type == "cuda"
     model.model.visual.requires_grad_(vision_trainable)
     results = {
-        name: {"times": [], "peak": [], "comm": [], "loss": None, "error": None, "syncs": None, "origins": []}
+        name: {
+            "times": [],
+            "peak": [],
+            "comm": [],
+            "loss": None,
+            "error": None,
+            "syncs": None,
+            "origins": [],
+            "gate": None,  # patched arms on CUDA: None (no sync so far), else where the first sync came from
+            "gated": 0,  # steps that ran under set_sync_debug_mode("error") without a sync
+        }
         for name, *_ in arms
     }
+
+    def train_step(batch):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def sync_failure(exc: RuntimeError, batch) -> str:
+        """Where the sync that the gate raised came from (file:line; in backward, the node and its forward line)."""
+        optimizer.zero_grad(set_to_none=True)
+        if not _in_backward(exc):
+            return "forward or optimizer: " + _frames(traceback.extract_tb(exc.__traceback__), 4)
+
+        def forward_backward() -> None:
+            model(**batch).loss.backward()
+
+        try:
+            return backward_sync_origin(forward_backward)
+        except torch.OutOfMemoryError:  # anomaly mode keeps a stack per node: report the sync, keep the arm
+            return "backward (node not named: the detect_anomaly step ran out of memory)"
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+
     states = {}  # per SP size, the state of its first apply: its mesh and timer outlive the per-step reverts
     for i in range(warmup + steps):
         for name, kind, impl, backend, sp in arms:
@@ -384,15 +496,27 @@ def run_setting(
                 apply_rmpad("qwen2_5_vl", attn_backend=backend, sequence_parallel_size=states.get(sp, sp))
                 states[sp] = sequence_parallel_state()
                 states[sp].timer.enable(sp > 1)
+            # the sync gate: the patched arms' measured steps (warm-up steps may initialize lazily)
+            gate = "error" if cuda and backend and i >= warmup and res["gate"] is None else None
             try:
                 if cuda:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
-                loss = model(**batch).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                try:
+                    with sync_debug_mode(gate):
+                        loss = train_step(batch)
+                    res["gated"] += gate is not None
+                except RuntimeError as exc:
+                    if gate is None or not is_sync_error(exc):
+                        raise
+                    res["gate"] = sync_failure(exc, batch)
+                    print(f"[gpu] sync gate FAILED: {name} step {i}: {res['gate']}", flush=True)
+                    if cuda:  # this step again, without the debug mode: the arm's timings still come out
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                    t0 = time.perf_counter()
+                    loss = train_step(batch)
                 if cuda:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
@@ -421,6 +545,13 @@ def run_setting(
             ),
             flush=True,
         )
+    for name, _, _, backend, _ in arms:
+        res = results[name]
+        if cuda and backend and res["gate"] is None and res["gated"]:
+            res["gate"] = f"passed: {res['gated']} steps, 0 syncs"
+            print(
+                f"[gpu] sync gate passed: {name}, {res['gated']} steps under set_sync_debug_mode('error')", flush=True
+            )
     for name, kind, impl, backend, sp in arms:  # one more step per arm, untimed: its host syncs
         res = results[name]
         if res["error"]:
@@ -549,6 +680,7 @@ def main(argv: list[str] | None = None) -> None:
     visions = ["frozen", "trainable"] if args.vision == "both" else [args.vision]
 
     rows, origins = [], {}  # origins: arm -> (setting, top sync origins) of the first setting that measured it
+    gates = []  # (setting, arm, the sync gate's outcome) of the patched arms on CUDA
     last = None  # (pack size, seconds) of the last setting run, for --time-budget
     for length in args.lengths:
         if skip_for_budget(args.time_budget, time.time() - t_start, last, length):
@@ -589,6 +721,8 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append([str(length), vision, name, r["error"] or "no measurement", "", "", "", "", "", "", ""])
                     continue
                 origins.setdefault(name, (f"{length}/{vision}", r["origins"]))
+                if r["gate"]:
+                    gates.append((f"{length}/{vision}", name, r["gate"]))
                 r["tflops"] /= sp  # per GPU: an SP group of `sp` GPUs trains one pack
                 mfu = r["tflops"] / args.peak_tflops
                 rel = abs(r["loss"] - ref) / abs(ref) if ref else float("nan")
@@ -651,6 +785,9 @@ def main(argv: list[str] | None = None) -> None:
         f"- {name} ({where}): " + (", ".join(f"`{o}` {n}" for o, n in top) or "none")
         for name, (where, top) in origins.items()
     )
+    gate_lines = "\n".join(f"- {name} ({where}): {outcome}" for where, name, outcome in gates) or (
+        "- not run (no CUDA device: the gate needs one)"
+    )
     body = f"""## GPU training step (`bench_gpu.py`)
 
 - Date: {C.today()}; took {time.time() - t_start:.0f} s
@@ -666,6 +803,11 @@ def main(argv: list[str] | None = None) -> None:
 Host syncs by origin (`file:line`: count in one step; first setting of each arm):
 
 {sync_origins}
+
+Sync gate (the patched arms' timed steps under `torch.cuda.set_sync_debug_mode("error")`; the first sync's origin, \
+in backward the node and the forward line that created it, from `detect_anomaly`):
+
+{gate_lines}
 """
     if args.sp > 1:  # its own section: the single-GPU arms' results stay
         body = body.replace("rel. diff vs padded", "rel. diff vs SP=1")

@@ -4,7 +4,9 @@
 #   2. environment: nvidia-smi, versions, GPU name, which kernels hf_packing finds
 #   3. `pytest -m gpu` (log, junit xml)
 #   4. benchmarks/bench_gpu.py on the full Qwen2.5-VL-3B-shaped model, 8k and 16k packs, with a time budget
-#   5. a summary: stage status and seconds, test counts and failures, the bench table and host syncs
+#   5. a summary: stage status and seconds, test counts and failures, the bench table and host syncs, and the sync
+#      gate (`set_sync_debug_mode("error")`) of both: bench_gpu's patched arms and pytest's patched-step test, each
+#      failure with its origin (in backward: the autograd node and the forward line that created it)
 # Each stage has its own timeout and a failed stage does not stop the next; the whole run ends in under 8 minutes
 # (timeouts 30 + 20 + 45 + 140 + 240 s; about 4 minutes expected on an H100). Outputs go to $OUT/gpu/ (gpu_out/
 # when OUT is unset): env.txt, pytest.log, junit.xml, bench.log, RESULTS.md (the updated benchmarks/RESULTS.md), any
@@ -122,6 +124,9 @@ rm -f "$STAMP"
     echo
     echo "=== summary ==="
     grep -h "host syncs per step" "$DIR/bench.log" 2>/dev/null | cut -c1-400
+    # the sync gate (set_sync_debug_mode("error")): bench_gpu's patched arms, then pytest's gate test per case
+    grep -h "^\[gpu\] sync gate" "$DIR/bench.log" 2>/dev/null | cut -c1-600
+    grep -h "^sync gate " "$DIR/pytest.log" 2>/dev/null | cut -c1-600
     sed -n '/^## GPU training step/,$p' "$DIR/bench.log" 2>/dev/null | grep '^|'
     [ -s "$DIR/junit.xml" ] || echo "tests: no junit xml"
     [ -s "$DIR/junit.xml" ] && "$PY" - "$DIR/junit.xml" <<'EOF'

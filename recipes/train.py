@@ -15,7 +15,10 @@ lines, FSDP2 / ZeRO notes and resuming.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import glob
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -138,9 +141,33 @@ def prepare_training_args(args: TrainingArguments) -> TrainingArguments:
     # must not read and broadcast them (dispatch) nor split one batch across ranks.
     args.accelerator_config.dispatch_batches = False
     args.accelerator_config.split_batches = False
+    # The DataLoader pins every tensor of the collator's batch (dataloader_pin_memory, on by default; the nested
+    # vision_inputs too); from pinned memory the batch's host-to-device copies can run without the host waiting.
+    args.accelerator_config.non_blocking = bool(args.dataloader_pin_memory)
     if args.max_steps <= 0:
         raise ValueError("set max_steps: a packed stream has no length, so num_train_epochs cannot define the run")
     return args
+
+
+class SettingError(ValueError):
+    """A setting the run cannot start with; run as a script, train.py reports it in one line (no traceback)."""
+
+
+def check_data_paths(data_args: DataArguments) -> None:
+    """Every ``dataset_path`` / ``eval_dataset_path`` entry exists (a file, a directory, a glob that matches), checked
+    before the processor or the model loads; a missing one is a `SettingError` naming the setting, with the closest
+    names in its folder."""
+    for setting in ("dataset_path", "eval_dataset_path"):
+        for path in getattr(data_args, setting):
+            if any(ch in path for ch in "*?[") and glob.glob(path, recursive=True) or Path(path).exists():
+                continue
+            parent = Path(path).parent
+            near = difflib.get_close_matches(Path(path).name, os.listdir(parent) if parent.is_dir() else [], n=3)
+            hint = f"; did you mean {', '.join(repr(str(parent / n)) for n in near)}?" if near else ""
+            raise SettingError(
+                f"{setting}: {path!r} does not exist (relative to {os.getcwd()}){hint} "
+                "(a local json/jsonl/parquet/arrow file, a glob or directory of them, or a save_to_disk dir)"
+            )
 
 
 def load_one(path: str, *, streaming: bool) -> Any:
@@ -267,10 +294,11 @@ def main(argv: list[str] | None = None) -> Trainer:
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)
     training_args = prepare_training_args(training_args)
     if not data_args.dataset_path:
-        raise ValueError("set dataset_path (one or more local files / saved datasets dirs)")
+        raise SettingError("set dataset_path (one or more local files / saved datasets dirs)")
+    check_data_paths(data_args)  # a mistyped path fails here, before anything loads
     weights = packing.weights
     if isinstance(weights, (list, dict)) and len(weights) != len(data_args.dataset_path):
-        raise ValueError(f"{len(weights)} weights for {len(data_args.dataset_path)} dataset_path entries")
+        raise SettingError(f"{len(weights)} weights for {len(data_args.dataset_path)} dataset_path entries")
 
     processor = AutoProcessor.from_pretrained(model_args.processor_name_or_path or model_args.model_name_or_path)
     sources = {}
@@ -332,7 +360,10 @@ def main(argv: list[str] | None = None) -> Trainer:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SettingError as error:  # a setting to fix, not a bug: one line, exit status 1
+        sys.exit(f"train.py: {error}")
     from hf_packing import end_process
 
     end_process()  # skip interpreter finalization (where a late C++ thread can still abort), like multiprocessing

@@ -4,12 +4,16 @@ The same setups as tests/test_precision.py runs through strict stand-ins on CPU,
 ``torch_varlen`` / ``flash_attn`` kernels: bf16 weights, and fp32 weights under bf16 autocast (the recipes'
 ``dtype: float32`` + ``bf16: true``). Tolerance rule: the patched run's error against the fp32 unpatched run is
 at most 2x the unpatched low-precision run's own error; both numbers are printed before asserting. Also a model
-split over two devices (``device_map``): the loss follows the head's device.
+split over two devices (``device_map``): the loss follows the head's device. And the sync gate on the device: a
+patched training step under ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations
 
+import sys
+import traceback
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +121,58 @@ def test_fla_linear_attention_equals_each_sample_alone_within_2x(model_type, set
         _run(model, packed, autocast),
         f"{model_type}/fla/{setup}, packed vs each alone (plain)",
     )
+
+
+def _cuda(obj):
+    """``obj`` on the GPU, nested dicts (the collator's ``vision_inputs``) too, as the Trainer moves a batch."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cuda()
+    if isinstance(obj, dict):
+        return {k: _cuda(v) for k, v in obj.items()}
+    return obj
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("mode", ["rows", "flat"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_patched_training_step_makes_no_host_sync_on_the_device(model_type, mode, checkpointing):
+    """The CPU gate (tests/test_syncs.py) on the real device: one patched training step (forward, loss, backward) on
+    a collator pack in bf16, after one warm-up step, under ``torch.cuda.set_sync_debug_mode("error")``. A sync fails
+    it with its origin: the Python lines that issued it, or, raised inside backward (autograd's engine, no frame of
+    the op), the backward node and the forward line that created it (benchmarks/bench_gpu.py's diagnosis under
+    ``detect_anomaly``)."""
+    from hf_packing import VisionCollator
+    from tests.helpers import processed_samples
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_gpu
+
+    processor = load_processor(model_type)
+    model = build_tiny_model(model_type, processor_dir=FIXTURES / model_type).cuda().to(torch.bfloat16).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_packing.apply_rmpad(model_type)  # auto backends: bf16 on CUDA picks the varlen kernels
+    batch = _cuda(VisionCollator(processor, mode=mode, model_config=model.config)(processed_samples(processor)))
+    extra = {"num_items_in_batch": torch.tensor(batch["num_supervised_tokens"], device="cuda")}
+    if getattr(model.config.get_text_config(), "num_experts", None):
+        extra["output_router_logits"] = True  # MoE: the aux loss term
+
+    def step() -> None:
+        model(**batch, **extra).loss.backward()
+
+    step()  # warm-up: lazy initialisation (handles, kernels) stays outside the gate
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    try:
+        with bench_gpu.sync_debug_mode("error"):
+            step()
+    except RuntimeError as exc:
+        if not bench_gpu.is_sync_error(exc):
+            raise
+        model.zero_grad(set_to_none=True)
+        if bench_gpu._in_backward(exc):
+            where = bench_gpu.backward_sync_origin(step)
+        else:
+            where = bench_gpu._frames(traceback.extract_tb(exc.__traceback__), 6)
+        print(f"\nsync gate {model_type}/{mode}/checkpointing={checkpointing}: {where}")
+        pytest.fail(f"{model_type} ({mode}, checkpointing {checkpointing}): a host sync in the patched step: {where}")

@@ -71,3 +71,43 @@ def test_dry_run_writes_logs_junit_and_the_bench_table(tmp_path):
     for stage in STAGES:
         assert re.search(rf"^{stage} +ok ", summary, re.M), summary
     assert "transformers supported:" in (out / "env.txt").read_text()
+
+
+def test_bench_gpu_names_the_backward_node_and_forward_line_of_a_sync(monkeypatch):
+    """bench_gpu's sync gate on CPU, with a stand-in: an op whose backward raises what
+    ``set_sync_debug_mode("error")`` raises. Autograd reports it at its own frame; the diagnosis step
+    (``detect_anomaly``) names the backward node and the forward line that created it, as the GPU report will."""
+    import contextlib
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_gpu
+
+    monkeypatch.setattr(bench_gpu, "sync_debug_mode", lambda mode: contextlib.nullcontext())
+
+    class SyncsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("called a synchronizing CUDA operation")
+
+    x = torch.ones(3, requires_grad=True)
+
+    def step() -> None:
+        y = SyncsInBackward.apply(x)  # <- the report names this line
+        y.sum().backward()
+
+    with pytest.raises(RuntimeError) as info:
+        step()
+    assert bench_gpu.is_sync_error(info.value) and bench_gpu._in_backward(info.value)
+    where = bench_gpu.backward_sync_origin(step)
+    line = next(
+        i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "# <- the report names" in text
+    )
+    assert where.startswith("backward node SyncsInBackward"), where
+    assert f"test_gpu_check.py:{line} (step)" in where, where
+    assert not bench_gpu.is_sync_error(RuntimeError("CUDA out of memory"))

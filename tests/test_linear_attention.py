@@ -78,3 +78,36 @@ def test_negative_control_whole_pack_form_without_boundaries(op):
     token_dim = 1 if op is _delta_rules else 2  # (1, T, H, D) and (1, C, T)
     torch.testing.assert_close(got.narrow(token_dim, 0, 3), want.narrow(token_dim, 0, 3), rtol=1e-5, atol=1e-6)
     assert (got.narrow(token_dim, 3, 6) - want.narrow(token_dim, 3, 6)).abs().max() > 1e-2
+
+
+def test_auto_never_picks_the_linear_reference_on_cuda_silently(monkeypatch):
+    """Qwen3.5's ``linear_backend='auto'`` on CUDA with fp32 inputs and autocast off (or without fla) runs the
+    per-sequence reference and says why and what to set, once per reason, not once per layer; half precision with
+    fla runs the kernels silently, and on CPU the reference is the expected path (no warning). The selection is a
+    function of (backend, device, half), checked here without a GPU, as tests/test_varlen.py does for attention."""
+    from hf_packing.ops import linear_attention
+
+    cuda = torch.device("cuda", 0)
+    fla = {"installed": True}
+    monkeypatch.setattr(
+        linear_attention,
+        "linear_backend_available",
+        lambda name, device: name == "reference" or (fla["installed"] and device.type == "cuda"),
+    )
+    name, why = linear_attention.select_linear_backend("auto", cuda, half=False)
+    assert name == "reference" and "fp32 with autocast off" in why and "bf16=True" in why
+    assert linear_attention.select_linear_backend("auto", cuda, half=True) == ("fla", None)
+    assert linear_attention.select_linear_backend("reference", cuda, half=False) == ("reference", None)  # chosen
+    assert linear_attention.select_linear_backend("fla", cuda, half=False) == ("fla", None)  # forced
+    assert linear_attention.select_linear_backend("auto", torch.device("cpu"), half=False) == ("reference", None)
+    fla["installed"] = False
+    name, why = linear_attention.select_linear_backend("auto", cuda, half=True)
+    assert name == "reference" and "hf_packing[linear]" in why
+
+    monkeypatch.setattr(linear_attention, "_WARNED", set())
+    monkeypatch.setattr(linear_attention, "select_linear_backend", lambda *a: ("reference", "a test's reason"))
+    x = torch.randn(1, 4, 3)
+    with pytest.warns(UserWarning, match="per-sequence reference .* because a test's reason") as caught:
+        for _ in range(3):  # three linear-attention layers
+            assert linear_attention.resolve_linear_backend("auto", x) == "reference"
+    assert len([w for w in caught if "per-sequence reference" in str(w.message)]) == 1

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from unittest import mock
@@ -15,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import torchrun, write_llava_jsonl
+from tests.helpers import MODEL_TYPES, torchrun, write_llava_jsonl
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TRAIN_CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
@@ -89,6 +90,9 @@ def test_prepare_training_args_forces_pack_settings(train, caplog):
     assert "overridden to 1" in caplog.text and args.per_device_train_batch_size == 1
     assert args.remove_unused_columns is False
     assert args.accelerator_config.dispatch_batches is False and args.accelerator_config.split_batches is False
+    assert args.accelerator_config.non_blocking is False  # use_cpu: transformers turns pinning off
+    pinned = train.prepare_training_args(TrainingArguments(output_dir="unused", max_steps=3, report_to=[]))
+    assert pinned.dataloader_pin_memory and pinned.accelerator_config.non_blocking  # copies not waited on
     with pytest.raises(ValueError, match="max_steps"):
         train.prepare_training_args(TrainingArguments(output_dir="unused", use_cpu=True, report_to=[]))
 
@@ -327,3 +331,66 @@ def test_train_py_on_two_processes_trains_evaluates_and_exits_0(tmp_path):
     assert "terminate called" not in proc.stderr
     assert proc.stdout.count("'eval_loss'") == 2, proc.stdout[-2000:]  # evaluated after each of the 2 steps
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_mistyped_dataset_path_is_a_setting_error_naming_it(train, tmp_path):
+    """A dataset_path / eval_dataset_path that does not exist stops the run before the processor or model loads,
+    with an error naming the setting and the closest file names (run as a script: that line, no traceback)."""
+    real = write_llava_jsonl(tmp_path / "data")
+    typo = real.with_name("trian.jsonl")
+    base = [str(RECIPES / "configs/tiny_cpu.yaml"), "--model_name_or_path", str(tmp_path / "no-model")]
+    base += ["--output_dir", str(tmp_path / "out")]
+    with pytest.raises(
+        train.SettingError,
+        match=rf"^dataset_path: '{re.escape(str(typo))}' does not exist.*did you mean '{re.escape(str(real))}'",
+    ):
+        train.main([*base, "--dataset_path", str(typo)])
+    with pytest.raises(train.SettingError, match=r"^eval_dataset_path: .*nothing\*\.jsonl' does not exist"):
+        train.main([*base, "--dataset_path", str(real), "--eval_dataset_path", str(tmp_path / "nothing*.jsonl")])
+    assert issubclass(train.SettingError, ValueError)
+    assert "except SettingError" in (RECIPES / "train.py").read_text()
+
+
+@pytest.mark.parametrize("mode", ["rows", "flat"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_the_collators_batch_is_pinnable_every_tensor_nested_ones_too(model_type, mode, monkeypatch):
+    """The recipes pin the batch (``dataloader_pin_memory``) and copy it with ``non_blocking``: torch's DataLoader
+    pinning (``pin_memory`` of ``torch.utils.data``) must reach every tensor of the collator's batch, the nested
+    ``vision_inputs`` too, each a dense CPU tensor, and give the batch back in the same structure. Pinning needs an
+    accelerator, so ``Tensor.pin_memory`` is a recording stand-in here."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from hf_packing import VisionCollator
+    from hf_packing.testing.tiny import tiny_config
+    from tests.helpers import load_processor, processed_samples
+
+    processor = load_processor(model_type)
+    batch = VisionCollator(processor, mode=mode, model_config=tiny_config(model_type))(processed_samples(processor))
+    assert "vision_inputs" in batch and any(isinstance(v, torch.Tensor) for v in batch["vision_inputs"].values())
+
+    def tensors(obj, path=""):
+        if isinstance(obj, torch.Tensor):
+            yield path, obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                yield from tensors(v, f"{path}.{k}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                yield from tensors(v, f"{path}[{i}]")
+        else:
+            assert obj is None or isinstance(obj, (int, float, bool, str)), (path, type(obj))
+
+    before = dict(tensors(batch))
+    for path, t in before.items():
+        assert t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous(), path
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a, **k: pinned.append(t) or t.clone())
+    out = pin_memory(batch)
+    assert sorted(map(id, pinned)) == sorted(map(id, before.values()))  # every tensor, once
+    after = dict(tensors(out))
+    assert after.keys() == before.keys() and type(out) is type(batch)
+    for path, t in after.items():
+        assert torch.equal(t, before[path]), path
+    assert {k: v for k, v in out.items() if not isinstance(v, (torch.Tensor, dict))} == {
+        k: v for k, v in batch.items() if not isinstance(v, (torch.Tensor, dict))
+    }

@@ -21,11 +21,13 @@ against 4e-8 with the boundaries. Two backends, one signature per op:
   unrolled and recompiled for every pack.
 
 ``auto`` picks ``fla`` for CUDA tensors in half precision (or under autocast) when the package imports, else
-``reference``; forcing ``fla`` where it cannot run raises.
+``reference`` (on CUDA with a warning, once per reason, saying why and what to set); forcing ``fla`` where it
+cannot run raises.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -49,15 +51,52 @@ def linear_backend_available(name: str, device: torch.device) -> bool:
     raise ValueError(f"unknown linear_backend {name!r}; choose one of {('auto',) + LINEAR_BACKENDS}")
 
 
+def select_linear_backend(name: str, device: torch.device, half: bool) -> tuple[str, str | None]:
+    """The backend ``name`` resolves to on ``device`` (``half``: half-precision inputs or autocast on), and, when
+    ``auto`` falls back to the per-sequence reference on CUDA, why and what to set (warned once by
+    `resolve_linear_backend`; elsewhere the reference is the expected path and ``None``)."""
+    if name != "auto":
+        return name, None
+    if half and linear_backend_available("fla", device):
+        return "fla", None
+    if device.type != "cuda":
+        return "reference", None
+    if not half:
+        return "reference", (
+            "the inputs are fp32 with autocast off, which the fla kernels are not picked for: train with bf16=True "
+            "(autocast; or run the step under torch.autocast('cuda', dtype=torch.bfloat16)), or load the model in "
+            "bfloat16; linear_backend='reference' chooses this path without a warning, linear_backend='fla' runs "
+            "the kernels in fp32"
+        )
+    return "reference", (
+        "flash-linear-attention is not installed: pip install 'hf_packing[linear]'; linear_backend='reference' "
+        "chooses this path without a warning"
+    )
+
+
+#: the reasons `resolve_linear_backend` has warned about (once per process each)
+_WARNED: set[str] = set()
+
+
 def resolve_linear_backend(name: str, x: torch.Tensor) -> str:
     """``auto`` → ``fla`` for half-precision (or autocast) CUDA inputs when available, else ``reference``.
 
     fp32 inputs with autocast off take the exact reference under ``auto``, as the softmax layers do; a forced
-    ``fla`` runs them in fp32 (FLA accepts fp32, with TF32 matmuls).
+    ``fla`` runs them in fp32 (FLA accepts fp32, with TF32 matmuls). On CUDA ``auto``'s fallback to the reference
+    (a Python loop over the sequences in every linear-attention layer) is warned once per reason, with what to set.
     """
     if name == "auto":
         half = x.dtype in KERNEL_DTYPES or torch.is_autocast_enabled(x.device.type)
-        return "fla" if half and linear_backend_available("fla", x.device) else "reference"
+        picked, why = select_linear_backend(name, x.device, half)
+        if why is not None and why not in _WARNED and not torch.compiler.is_compiling():
+            _WARNED.add(why)
+            warnings.warn(
+                "hf_packing: linear_backend='auto' runs Qwen3.5's linear attention on CUDA with the per-sequence "
+                f"reference (a Python loop over the sequences in every linear-attention layer, far slower than the "
+                f"fla kernels) because {why}",
+                stacklevel=3,
+            )
+        return picked
     if not linear_backend_available(name, x.device):
         raise RuntimeError(
             f"linear_backend={name!r} is not available for tensors on {x.device} (needs a CUDA device and "
