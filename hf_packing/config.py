@@ -69,8 +69,8 @@ class PackingConfig:
         default=None,
         metadata=_help(
             """images per pack (a sample with more is skipped); None: no limit, max_vision_patches bounds the vision
-            work. 16 closed 86% of 16k-token packs of a LLaVA-like mix by images (fill 0.66 instead of 0.9995) and
-            every pack of small-image data (fill 0.28 at 8k): benchmarks/RESULTS.md, docs/packer.md"""
+            work; a small limit closes packs by image count long before they fill (measured: benchmarks/RESULTS.md,
+            'Packing: the max_images default'; docs/packer.md)"""
         ),
     )
     max_vision_patches: int | None = field(
@@ -197,7 +197,7 @@ class PackingConfig:
         default=16,
         metadata=_help(
             """steps (of world_size · batch_size packs) sorted by cost together, so each step holds packs of similar
-            cost (with 64 ranks the slowest rank's excess drops from 4-12% to 0.2-1.5%, benchmarks/RESULTS.md). A
+            cost, so the slowest rank of a step waits less (measured: benchmarks/RESULTS.md, 'Rank balance'). A
             replica holds that many steps' packs' rows (with 64 ranks, ~12k LLaVA rows: metadata only for an indexed
             datasets.Dataset, whole rows from a stream: lower it for streams that embed image bytes)"""
         ),

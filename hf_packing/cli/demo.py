@@ -1,4 +1,4 @@
-"""``hf-packing demo``: the whole stack on CPU in about two minutes.
+"""``hf-packing demo``: the whole stack on CPU, end to end, in minutes.
 
 Generates a multimodal dataset on disk, saves a tiny random Qwen2.5-VL (or another family: ``model_type``) and
 its processor and loads them back with ``from_pretrained`` (the loading code a real checkpoint uses), packs at 2048

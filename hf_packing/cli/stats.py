@@ -2,12 +2,13 @@
 
 The settings are a [`~hf_packing.config.PackingConfig`] (its fields are the command's flags), read as
 `pack_dataset` reads them: lengths come from the same `Preprocessor.estimate` (chat template + image and video
-headers + the processor's sampling and resize rules; `on_overlong` applies), so a pass costs ~0.1 ms per sample (~1 ms
-per video file); the planner then packs the numbers with the configured strategy, then with each other one for
-comparison, and says which budget closed the packs (`tokens`, `images`, `patches`: a pack at 0.45 fill closed by
-`images` wants a larger `max_images`). Several paths are read like `recipes/train.py`'s `dataset_path` (files, globs,
-directories, saved datasets; each its own source, every row counted); skip reasons are `pack_dataset`'s names. Videos
-and their `<|video_pad|>` tokens are reported on their own line.
+headers + the processor's sampling and resize rules; `on_overlong` applies), so a pass decodes no pixel and costs
+what a planning pass costs (docs/packer.md, 'What a row costs'); the planner then packs the numbers with the
+configured strategy, then with each other one for comparison, and says which budget closed the packs (`tokens`,
+`images`, `patches`: a pack at 0.45 fill closed by `images` wants a larger `max_images`). Several paths are read like
+`recipes/train.py`'s `dataset_path` (files, globs, directories, saved datasets; each its own source, every row
+counted); skip reasons are `pack_dataset`'s names. Videos and their `<|video_pad|>` tokens are reported on their own
+line.
 """
 
 from __future__ import annotations

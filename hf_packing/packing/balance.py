@@ -7,12 +7,11 @@ together; within a step each rank gets `per_rank` packs by balanced largest diff
 counts). Every rank gets the same number of packs, and the result depends only on the costs (no RNG, no state), so
 every replica makes the same choice and a resumed run makes it again.
 
-Measured (`benchmarks/bench_balance.py`, RESULTS.md, Qwen2.5-VL-7B weights): Σ over steps of the slowest rank /
-Σ of the mean rank, 8 and 64 ranks, one or two packs per rank per step, on LLaVA-like, document and hi-res-photo
-mixes: 1.023-1.123 for the former greedy by text cost over consecutive packs, 1.001-1.015 with a window of 16 steps
-(32: 1.001-1.007; 8: 1.002-1.029). With sorted steps KK ties the other split methods the benchmark tries (LPT, snake,
-LPT with swaps) to 4 decimals and is among the cheapest (~6 µs a pack with the sort). Without the vision terms the
-same window scores 1.023-1.074.
+Why a window of sorted steps, KK, and the vision terms (measured: benchmarks/RESULTS.md, 'Rank balance',
+`bench_balance.py`, scored as Σ over steps of the slowest rank / Σ of the mean rank): sorting a window of steps by cost
+is what evens out the ranks of a step, and a larger window evens them more; once the steps are sorted, KK ties the
+other split methods the benchmark tries and is among the cheapest; weighing text cost alone leaves most of the
+imbalance of image-heavy packs.
 
 Cost of a sample with n tokens, P = Σ t·h·w vision patches and Q = Σ t·(h·w)² (attention is per frame of each image
 or video), in units of one text token's dense work (6·N FLOPs, + 18·L_lin·S on Qwen3.5; `WorkCost.unit`)::
@@ -79,7 +78,7 @@ def _default_config() -> Any:
 
 def model_flops(config: Any = None, *, vision_trainable: bool = True) -> ModelFlops:
     """The cost model (`hf_packing.ops.flops.ModelFlops`) of the model of ``config`` (Qwen2.5-VL-7B's without one):
-    the model is built on the meta device (no memory; 0.1 s for 7B) and its weights counted as ``training_flops``
+    the model is built on the meta device (no memory, no initialisation) and its weights counted as ``training_flops``
     counts a loaded model's, so the two agree exactly; any family transformers builds from a config needs no edit."""
     config = _default_config() if config is None else config
     key = (type(config), config.to_json_string(use_diff=False), vision_trainable)

@@ -18,7 +18,8 @@ How it works, without any collective (1.-3. and 5. are a [`~hf_packing.packing.r
    [`~hf_packing.packing.length_index`]) or, for a stream, from text and image headers
    ([`~hf_packing.preprocess.preprocessor.Preprocessor.estimate`]) and feeds the same deterministic
    [`~hf_packing.packing.planner.StreamingPlanner`] (windows of `buffer_size`), so all replicas see the same global
-   sequence of packs. BFD over a 1,000-sample window loses < 0.05% fill against whole-dataset.
+   sequence of packs (fill against whole-dataset planning, measured: benchmarks/RESULTS.md, 'Fill and planner
+   speed').
 2. **Ranks.** Closed packs wait until `balance_window` steps' worth (`world_size · batch_size` packs a step) are
    there; [`~hf_packing.packing.balance.schedule`] then sorts them by cost (text and vision work, weighted from the
    model config: [`~hf_packing.packing.balance.WorkCost`]), cuts them into steps of similar packs and splits each step
@@ -41,9 +42,9 @@ How it works, without any collective (1.-3. and 5. are a [`~hf_packing.packing.r
    uninterrupted run.
 
 The price of agreeing without communication is that every replica plans every row. From a stream that means W · N
-estimates per rank against N / R pixel jobs (with the tiny test processors and 256-1024 px JPEGs, one thread, ~1.5
-ms of CPU per row estimated, ~26 ms per sample processed); a `datasets.Dataset` is estimated once
-(`length_index="auto"`) and each replica reads columns (see `benchmarks/RESULTS.md`, `bench_index.py`).
+estimates per rank against N / R pixel jobs, and an estimate (text and headers) costs a small fraction of a pixel job
+(measured: docs/packer.md, 'What a row costs'); a `datasets.Dataset` is estimated once (`length_index="auto"`) and
+each replica reads columns (measured: benchmarks/RESULTS.md, 'Length index').
 """
 
 from __future__ import annotations

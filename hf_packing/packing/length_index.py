@@ -1,14 +1,12 @@
 """Length index: every row's planning metadata computed once with `datasets.map`, cached as Arrow, shared by ranks.
 
 Without it each replica (every DataLoader worker of every rank) estimates every row to plan the same packs:
-R ranks × W workers × N rows estimates of ~1 ms (chat template, tokenizer, image headers). With it the rows are
+R ranks × W workers × N rows estimates (chat template, tokenizer, image headers). With it the rows are
 estimated once (`num_proc` processes, with `datasets`' progress bar) into the
 [`~hf_packing.preprocess.preprocessor.META_COLUMNS`] (tokens, images, Σ t·h·w, Σ t·(h·w)², and the reason and message
-of a refused row), and each replica reads those columns. Measured (`bench_index.py`, RESULTS.md, tiny Qwen2.5-VL
-processor, 300-1000 px JPEGs, a loaded 2-core machine): a replica's planning pass runs at 230 rows/s of one core
-estimating and 16,000 reading the index (70x); the build costs about one estimating pass, once, and a second call with
-the same settings reads its file (11 ms for 2,000 rows). For LLaVA-665k on 64 GPUs x 4 workers that is ~41 s of
-planning CPU per replica instead of ~48 min.
+of a refused row), and each replica reads those columns instead of estimating. The build costs about one estimating
+pass, once; a second call with the same settings reads its file. Planning from columns against estimating, per
+replica and modelled for LLaVA-665k at scale, is measured in benchmarks/RESULTS.md, 'Length index' (`bench_index.py`).
 
 The index is a `datasets` cache file: `map(..., new_fingerprint=key)` where the key hashes the dataset's fingerprint,
 the processor (tokenizer, image/video processor config, chat template) and every setting that changes a row's

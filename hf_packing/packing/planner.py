@@ -18,13 +18,13 @@ Closed packs come out in creation order. A pack also closes when it was carried 
 when it can take no more images/patches; beyond `max_open_bins` the fullest close. Memory is
 O(buffer_size + max_open_bins).
 
-Trade-off (`benchmarks/RESULTS.md`, one core, buffer 1000): streaming BFD fills 0.9993 of the slots on a
-LLaVA-665k-like mix at 8k (whole dataset: 0.9997, no carry-over: 0.9934) and 0.9943 on 1-4-page documents at
-16k (whole dataset: 0.9960; buffer 2000: 0.9953). Dissolving and re-planning a window's packs that were not full
-bought at most 0.15 points of fill at this window size and took 10-33% of the planner's time, so packs are never
-re-planned; a larger `buffer_size` buys more. A sample with images walks past packs whose token room fits but whose
-image/patch room does not: nothing while the budgets do not bind. `"next_fit"` keeps input order (streaming
-equals whole-dataset) but wastes 5% of every step at 8k (0.948).
+Trade-off: streaming BFD with carry-over comes close to planning the whole dataset at once, and a larger
+`buffer_size` comes closer; carrying unfinished packs over is what makes a window work. Dissolving and re-planning a
+window's unfinished packs bought less fill than a larger window does and cost a large share of the planner's time, so
+packs are never re-planned. A sample with images walks past packs whose token room fits but whose image/patch room
+does not: nothing while the budgets do not bind. `"next_fit"` keeps input order (streaming equals whole-dataset) but
+leaves a visible share of every step's slots empty. Measured in benchmarks/RESULTS.md: 'Fill and planner speed' and
+'#32: re-planning and the producer thread, before and after'.
 """
 
 from __future__ import annotations

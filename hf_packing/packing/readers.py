@@ -1,8 +1,9 @@
 """Row sources for `pack_dataset`: a position per row, so a resumed run re-reads exactly the rows it still needs.
 
-- `datasets.Dataset`: read as raw Arrow rows (no image decoding, ~10 us/row); the position is a row number.
+- `datasets.Dataset`: read as raw Arrow rows (no image decoding); the position is a row number.
 - `datasets.IterableDataset`: images switched to `{"bytes", "path"}` with `.decode(False)`; the position is the
-  dataset's own `state_dict()` (~2 us per row), taken after every row.
+  dataset's own `state_dict()`, taken after every row (cheap next to planning a row: docs/packer.md, 'What a row
+  costs').
 - `{name: dataset}`: tagged with a source column, then mixed by `datasets.interleave_datasets` (its RNG and
   per-source positions are part of its state_dict): without weights every row of every source once, sources
   alternating row by row; with weights by their probabilities until `stopping_strategy` ends the mix.
@@ -75,7 +76,7 @@ class MapSource:
 
 
 class IterSource:
-    """A `datasets.IterableDataset`; its position is its own `state_dict()`, taken after every row (~2 us)."""
+    """A `datasets.IterableDataset`; its position is its own `state_dict()`, taken after every row."""
 
     size, lazy = None, False
 

@@ -2,7 +2,8 @@
 
 Every collective is an autograd function (the backward of an all-to-all is the inverse all-to-all; of an all-gather
 of rows, the sum of every rank's gradient for this rank's rows), timed by the group's `CommTimer` (off until the
-telemetry enables it). The design, the pictures and the measured costs are in `hf_packing.patches.sequence_parallel`.
+telemetry enables it). The design, the pictures and the communication costs are in
+`hf_packing.patches.sequence_parallel`.
 """
 
 from __future__ import annotations

@@ -245,10 +245,10 @@ def load_balancing_loss(
 
     ``E · Σ_e f_e · p_e``, with ``f_e`` the share of top-k assignments to expert ``e`` and ``p_e`` the mean router
     probability, over the ``total`` real tokens of every layer (the padding tail is left out). Per shard, the
-    loss of a product of means is not the mean of the shards' losses (the Qwen3-VL-MoE gradients moved by 0.17
-    relative); summed first, the value is the SP = 1 one on every rank. The sum's backward adds every rank's
-    gradient, so with loss weights that sum to the pack's weight over the group (`sp_loss`'s shares) the group's
-    gradient equals SP = 1's.
+    loss of a product of means is not the mean of the shards' losses (the gradients move far beyond round-off,
+    measured: docs/sequence_parallel.md); summed first, the value is the SP = 1 one on every rank. The sum's
+    backward adds every rank's gradient, so with loss weights that sum to the pack's weight over the group
+    (`sp_loss`'s shares) the group's gradient equals SP = 1's.
 
     Args:
         router_logits: per MoE layer, ``(T/P, E)`` pre-softmax logits of this rank's tokens.

@@ -7,7 +7,7 @@ flash_attention_* entries: a call from a patched text-attention class that carri
 ``cu_seq_lens_q`` runs non-causal varlen attention; every other call goes to the original function
 untouched. A text call that also carries an `~hf_packing.parallel.comm.SPGroup` (``hf_packing_sp``) holds
 one slice of the pack: the same kernel runs between two Ulysses all-to-alls (`ulysses_attention`). So other
-models, generation and unpatched forwards behave exactly as before, and nothing
+models, generation and unpatched forwards behave exactly as without the patch, and nothing
 depends on a config switch that gradient checkpointing's recomputation could miss.
 """
 

@@ -67,8 +67,8 @@ class ForwardSignature:
 
     Not ``inspect.Signature.bind``: it reads ``Signature.parameters``, a ``mappingproxy``, and once the traced frame
     has mutated a dict (transformers' output-capturing wrapper does) dynamo refuses to read a mappingproxy
-    (``Unsupported: mapping proxy affected by dictionary mutation``), which broke ``fullgraph=True`` compilation
-    of the generation path. Tuples and dicts built here trace.
+    (``Unsupported: mapping proxy affected by dictionary mutation``), which would break ``fullgraph=True``
+    compilation of the generation path. Tuples and dicts built here trace.
     """
 
     def __init__(self, signature: inspect.Signature) -> None:

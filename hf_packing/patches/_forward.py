@@ -464,7 +464,7 @@ def _moe_fields(
     (and multiplies by the number of processes), so the aux term is weighted by this micro-batch's share of
     the supervised tokens, ``n_local / num_items_in_batch``: its weights sum to 1 over micro-batches and ranks,
     like the unpatched ``1 / (steps · ranks)`` (equal to it when micro-batches hold equal token counts).
-    Under sequence parallelism the aux loss is the whole pack's (`sequence_parallel_shard.load_balancing_loss`, over
+    Under sequence parallelism the aux loss is the whole pack's (`hf_packing.parallel.shard.load_balancing_loss`, over
     the pack's real tokens), and the SP ranks' weights sum to the pack's.
     """
     router_logits = outputs.get("router_logits")

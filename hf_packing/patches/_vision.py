@@ -151,8 +151,9 @@ def precomputed_vision_inputs(
         (ours, DeepStack)     ITEM_ORDER: with images and videos, their order in the row (``token_types``: the flat
                               row's ``mm_token_type_ids``; `item_order`), so they enter the text model as one kind
 
-    On the device each is a host read, a data-dependent ``repeat_interleave`` or a tensor made from host data: 3-9
-    per step. ``grids``: ``[t, h, w]`` per item, images then videos (one tower call takes them in that order).
+    On the device each is a host read, a data-dependent ``repeat_interleave`` or a tensor made from host data, every
+    step (counted: docs/patches.md; benchmarks/RESULTS.md, 'bench_syncs'). ``grids``: ``[t, h, w]`` per item, images
+    then videos (one tower call takes them in that order).
     """
     helpers = _compat.vision_helpers()
     if helpers is None or not grids:
@@ -333,13 +334,14 @@ def trusted_placeholder_masks(backbone, trusted: bool, joint: bool = False) -> I
     feature-count checks: it is called without the features, which is how transformers asks for the masks alone.
 
     Those checks (``torch_compilable_check(n_tokens * hidden == features.numel(), f"... {n_tokens} ...")``) read the
-    count back twice per modality (the check, and the f-string that formats a 0-d tensor): 2-4 syncs per step. The
+    count back twice per modality (the check, and the f-string that formats a 0-d tensor), every step. The
     collator checked every sample's placeholders against its grids on the host (``VisionCollator._check``), and
     the tower gives ``t·h·w / merge²`` features per item by construction. Other callers keep transformers' checks.
 
     ``joint`` (`joint_items`): the image mask covers the video tokens too, where `tower_calls` hands transformers
     the images and videos as one kind, in row order; the DeepStack families then need no merge of the two
-    (transformers' is boolean-mask indexing and ``new_zeros(mask.sum())``: 5 syncs in forward, 3 in backward).
+    (transformers' is boolean-mask indexing and ``new_zeros(mask.sum())``: host syncs in forward and backward,
+    counted in docs/patches.md).
     """
     if not trusted:
         yield
@@ -362,9 +364,9 @@ def deepstack_by_index(backbone, visual_tokens: int | None) -> Iterator[None]:
     """Inside the block, Qwen3-VL's ``_deepstack_process`` (adding each DeepStack layer's features at the visual
     tokens) selects those tokens with a fixed-size ``nonzero_static`` instead of a boolean mask: ``visual_tokens``,
     the number of image and video tokens of the call (the collator's, known on the host), sizes it. transformers'
-    ``hidden[mask] + features; hidden[mask] = ...`` costs 2 syncs per DeepStack layer in forward and as many in
-    backward; the same sums by ``index_add``, none. ``None`` (not the collator's batch, or sequence parallelism,
-    whose ranks hold a slice of the tokens), or a backbone without DeepStack: transformers' own code.
+    ``hidden[mask] + features; hidden[mask] = ...`` reads the mask back in every DeepStack layer, in forward and in
+    backward; the same sums by ``index_add`` read nothing back. ``None`` (not the collator's batch, or sequence
+    parallelism, whose ranks hold a slice of the tokens), or a backbone without DeepStack: transformers' own code.
     """
     text: Any = getattr(backbone, "language_model", None)
     if visual_tokens is None or not hasattr(type(text), "_deepstack_process"):

@@ -7,7 +7,7 @@ eval and test loaders (and their resume fast-forward copies) under one process, 
 
 - a ``DataLoaderDispatcher`` (accelerate's default for an ``IterableDataset``) around `pack_dataset`'s packs or
   `VisionCollator` batches: it slices every batch tensor to the batch size (``cu_seqlens``, ``pixel_values``, the
-  ``(3, B, L)`` positions), which used to surface as a deep ``IndexError`` / rotary ``RuntimeError``;
+  ``(3, B, L)`` positions), which would otherwise surface as a deep ``IndexError`` / rotary ``RuntimeError``;
 - `pack_dataset`'s packs behind an ``IterableDatasetShard`` of several processes: each rank would silently train
   on every ``world_size``-th pack of a stream that is already its own share (exit 0, half the data);
 - `pack_dataset`'s packs in a loader that `prepare_trainer` did not hand out (`mark_prepared`): without it resuming

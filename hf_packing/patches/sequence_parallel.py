@@ -48,9 +48,10 @@ ranks (within a node first). accelerate 1.15's ``ParallelismConfig(sp_size=...)`
 Trainer hands the model to DeepSpeed's SP wrapper. So the SP size is `apply_rmpad`'s ``sequence_parallel_size``
 and FSDP2 / DDP from accelerate shard or replicate over the whole world as usual.
 
-Layout: this module is the public face; the work lives in `sequence_parallel_comm` (the group, all-to-alls and
-other collectives), `sequence_parallel_shard` (slicing the pack, the vision split, the SP loss) and
-`sequence_parallel_state` (the `SequenceParallelState` that `apply_rmpad` binds into its options).
+Layout: this module holds the design notes and reads the applied state; the work lives in `hf_packing.parallel`:
+`comm` (the group, all-to-alls and other collectives), `shard` (slicing the pack, the vision split, the SP loss),
+`state` (the `SequenceParallelState` that `apply_rmpad` binds into its options) and `linear` (Gated DeltaNet on head
+shards).
 """
 
 from __future__ import annotations

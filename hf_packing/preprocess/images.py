@@ -1,7 +1,7 @@
 """Image I/O for preprocessing: safe path resolution, header-only sizes, and decoding to 8-bit RGB.
 
-Planning reads only headers (`PIL.Image.open` is lazy: ~0.2 ms of CPU per file, against ~5 ms to decode a 256-1024 px
-JPEG and ~80 ms for a 3000x2000 one), plus the last 2 KB of JPEG/PNG data, so a truncated download is refused while
+Planning reads only headers (`PIL.Image.open` is lazy: a header costs a small fraction of a decode, measured:
+docs/packer.md, 'What a row costs'), plus the last 2 KB of JPEG/PNG data, so a truncated download is refused while
 planning, not after its pack was made. Sizes are EXIF-rotated from the header (a PNG's `getexif()` would decode the
 file); decoding rotates with `PIL.ImageOps.exif_transpose`. The two disagree only on a PNG whose EXIF follows its
 pixels, planned unrotated: the same tokens, since Qwen's resize rule treats height and width alike.

@@ -7,11 +7,11 @@ same conversation gives the same sample in either format.
 [`Preprocessor.estimate`] counts a sample's tokens without decoding pixels: the chat template is rendered and
 tokenized with ONE placeholder token per image, image sizes come from file headers (`PIL.Image.open` is lazy), and
 the processor's own `get_number_of_image_patches` (Qwen's `smart_resize`: 28 px cells on Qwen2/2.5-VL, 32 px on
-Qwen3-VL) gives each image's `patches / merge**2` tokens. With the tiny test processors and 256-1024 px JPEGs that
-costs ~1.5 ms of CPU per sample (template, tokenizer, headers) against ~26 ms for a full [`Preprocessor.process`]
-(decode, convert, resize, patchify), which runs only for samples placed in a pack and checks that the processed length
-equals the estimate. [`Preprocessor.metadata_columns`] stores
-the estimate as columns (one `ds.map`), so a large run plans from columns instead.
+Qwen3-VL) gives each image's `patches / merge**2` tokens. That costs a small fraction of a full
+[`Preprocessor.process`] (decode, convert, resize, patchify; measured: docs/packer.md, 'What a row costs'), which runs
+only for samples placed in a pack and checks that the processed length equals the estimate.
+[`Preprocessor.metadata_columns`] stores the estimate as columns (one `ds.map`), so a large run plans from columns
+instead.
 
 Videos follow the same split: a file's tokens come from its header (`video.py`) and the processor's own frame sampling
 and patch rules (`video_sampling.py`); processing decodes only the frame indices the estimate counted.

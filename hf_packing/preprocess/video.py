@@ -2,8 +2,8 @@
 
 A video is a file (a path, bytes, or `{"bytes", "path"}` as `datasets` stores media undecoded) or pre-sampled frames
 (a `(T, H, W, C)` array or a list of image references). For a file, planning opens the container and reads its
-header, decoding nothing ([`VideoLoader.info`]: 20 ms per 640x360 H.264 mp4 here, on 2 cores at load average 12,
-against 1.7 s to decode its 60 frames); processing decodes the frames the sampler chose ([`VideoLoader.load`]).
+header, decoding nothing ([`VideoLoader.info`]: a small fraction of decoding the file, measured: docs/packer.md,
+'What a row costs'); processing decodes the frames the sampler chose ([`VideoLoader.load`]).
 
 Which count is trusted: the header's frame count (`nb_frames`, exact in mp4/mov), else `round(duration · average
 fps)` (webm/mkv store no count; the duration is the stream's, else the container's). Both backends read these same

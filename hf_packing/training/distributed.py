@@ -15,9 +15,8 @@ reference cycles, by FSDP2 or DDP hooks for example, let go of their tensors now
 `torch.distributed.destroy_process_group()`, which joins the group's threads while the interpreter is whole.
 The packer starts no thread of its own.
 
-That is not always enough: 1 launch in about 200 of the test suite's 2-process scripts still aborted after
-`end_distributed` (`recipes/train.py`, rank 1, after saving; 9 runs of the 22 multi-process tests on a loaded
-2-core machine). Whatever thread of torch's or a library's is still inside a C++ call then, the abort can only
+That is not always enough: a 2-process script can still abort after `end_distributed`, rarely (measured:
+docs/recipes.md). Whatever thread of torch's or a library's is still inside a C++ call then, the abort can only
 happen in the interpreter's finalization. `end_process` skips it the way `multiprocessing` ends every child
 process: run the `atexit` handlers (logging's, multiprocessing's own), flush the standard
 streams, then `os._exit`. A script's `if __name__ == "__main__":` block ends with it.

@@ -1,9 +1,8 @@
 """Token-level evaluation for a Trainer on packed batches: ``eval_loss = Σ token CE / Σ supervised tokens``.
 
 The Trainer's own ``eval_loss`` is the mean of per-batch means, so a token in a small pack weighs more than one in
-a big pack, and the number moves with ``max_length``, the eval batch size and the number of processes (a tiny
-Qwen2.5-VL on the same 12 samples: 1.72207 in 7 packs of 256 tokens, 1.72750 in 2 packs of 1024; the token-level
-mean is 1.72258 both ways).
+a big pack, and the number moves with ``max_length``, the eval batch size and the number of processes, while the
+token-level mean does not (measured: docs/evaluation.md).
 Training is token-level (``num_items_in_batch``); `token_level_evaluation` makes evaluation token-level too, by
 wrapping two methods of the Trainer instance:
 
@@ -13,7 +12,7 @@ wrapping two methods of the Trainer instance:
   else ``n = (labels[..., 1:] != -100).sum()`` (transformers' shift) and ``n_correct`` is read from ``logits``. They
   are recorded, not read from the output's ``num_supervised_tokens`` / ``num_correct_tokens`` attributes, because
   under ``bf16=True`` (accelerate's mixed precision) the output comes back rebuilt by ``convert_outputs_to_fp32``,
-  fields only: the accuracy used to vanish there.
+  fields only: the accuracy would vanish there.
 - ``evaluation_loop`` (under both ``evaluate()`` and ``predict()``): sums the three numbers over processes once at the
   end (one all-reduce), sets ``{prefix}_loss`` to Σ CE / Σ n and adds ``{prefix}_token_accuracy`` = Σ n_correct / Σ n.
 

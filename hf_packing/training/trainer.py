@@ -7,10 +7,10 @@ Two accelerate defaults break packed batches silently or loudly:
   (one row per vision patch). `prepare_trainer` turns dispatching (and batch splitting) off.
 - Under several processes accelerate wraps every torch ``IterableDataset`` in ``IterableDatasetShard``, which
   keeps every ``world_size``-th batch of the stream. `pack_dataset` already hands each rank its own,
-  rank-equal share, so that wrapper would silently train each rank on 1/world_size of its packs
-  (measured: 2 of 4 packs on rank 1 of 2). In evaluation it re-shards the eval stream the same way (measured: 4 of
-  8 eval packs evaluated, 5 of 12 samples). `keep_rank_packs` makes it a pass-through for packed datasets, in
-  ``get_train_dataloader``, ``get_eval_dataloader`` and ``get_test_dataloader``.
+  rank-equal share, so that wrapper would silently train each rank on 1/world_size of its packs. In evaluation it
+  re-shards the eval stream the same way, so part of the eval set goes unevaluated (measured: docs/trainer.md).
+  `keep_rank_packs` makes it a pass-through for packed datasets, in ``get_train_dataloader``,
+  ``get_eval_dataloader`` and ``get_test_dataloader``.
 
 It also repairs resuming: transformers 5.23's ``Trainer._load_from_checkpoint`` loads ``model.safetensors``
 non-strictly and without key conversion, while ``save_pretrained`` writes Qwen-VL checkpoints in the
@@ -25,9 +25,10 @@ token CE / Σ supervised tokens over the whole eval set, whatever the packing, b
 would undo `apply_rmpad` and hand the collator's ``cu_seqlens`` to the vision tower: `prepare_trainer` refuses it.
 
 An eval set packed with the training default ``leftovers="drop"`` would lose its last packs (fewer than one per rank)
-under several processes (``eval_loss`` 5.2e-4 off the token-level mean on 2 processes): `spread_eval_packs`
-evaluates every `PackedDataset` through its `~hf_packing.packing.dataset.PackedDataset.for_evaluation` view, which
-spreads them, also when the training set itself is evaluated.
+under several processes, and its ``eval_loss`` would miss their tokens (measured: docs/evaluation.md):
+`spread_eval_packs` evaluates every `PackedDataset` through its
+`~hf_packing.packing.dataset.PackedDataset.for_evaluation` view, which spreads them, also when the training set
+itself is evaluated.
 
 Before any data is read, `check_setup` refuses what it can tell is wrong (collator, processor family, model type,
 attention implementation, packs per micro-batch), each error naming the setting. Forgetting `prepare_trainer` is
