@@ -228,3 +228,36 @@ def test_deepstack_by_index_equals_transformers_masked_update():
     assert "_deepstack_process" not in vars(backbone.language_model)  # the shadow is gone after the block
     with deepstack_by_index(backbone, None):
         assert "_deepstack_process" not in vars(backbone.language_model)
+
+
+def test_scatter_rows_equals_masked_scatter_values_and_gradients():
+    """The placeholder merge by index (`scatter_rows`, what `PlaceholderMask` routes transformers'
+    ``inputs_embeds.masked_scatter(mask, features)`` to) equals ``masked_scatter``: values and both gradients. Negative
+    control: a mask with one placeholder row fewer than the features gives another result."""
+    from hf_packing.patches._vision import PlaceholderMask, scatter_rows
+
+    torch.manual_seed(0)
+    embeds = torch.randn(2, 5, 3, requires_grad=True)
+    rows = torch.tensor([[0, 1, 1, 0, 0], [1, 0, 0, 0, 1]], dtype=torch.bool)
+    mask = rows.unsqueeze(-1).expand_as(embeds)
+    features = torch.randn(4, 3, requires_grad=True)
+    weights = torch.randn(2, 5, 3)
+
+    def run(merge):
+        embeds.grad = features.grad = None
+        out = merge()
+        (out * weights).sum().backward()
+        return out.detach(), embeds.grad.clone(), features.grad.clone()
+
+    want = run(lambda: embeds.masked_scatter(mask, features))
+    for got in (
+        run(lambda: scatter_rows(embeds, mask, features)),
+        run(lambda: embeds.masked_scatter(mask.as_subclass(PlaceholderMask), features)),
+    ):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert type(mask.as_subclass(PlaceholderMask)[..., 0]) is torch.Tensor  # other ops see a plain tensor
+    fewer = rows.clone()
+    fewer[1, 4] = False
+    short = run(lambda: scatter_rows(embeds, fewer.unsqueeze(-1).expand_as(embeds), features[:3]))
+    assert not torch.equal(short[0], want[0])

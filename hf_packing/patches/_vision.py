@@ -328,6 +328,33 @@ def tower_calls(
         del inner.get_image_features, inner.get_video_features
 
 
+def scatter_rows(target: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``target.masked_scatter(mask, source)`` for a placeholder mask (``mask`` is ``(..., H)``, each row all True or
+    all False, as ``get_placeholder_mask`` expands it) holding as many True rows as ``source`` has rows, by
+    ``index_copy`` at ``nonzero_static`` positions sized by ``source``'s shape. Same values and gradients; the
+    backward selects the source's gradient by index, where ``masked_scatter``'s selects it by the mask (a host sync
+    on CUDA to size the selection)."""
+    hidden = target.shape[-1]
+    rows = mask[..., 0].reshape(-1)  # (B·L,): the expanded mask's first column, no copy of the (B, L, H) view
+    where = torch.nonzero_static(rows, size=source.numel() // hidden).squeeze(1)
+    flat = target.reshape(-1, hidden).index_copy(0, where, source.reshape(-1, hidden).to(target.dtype))
+    return flat.view_as(target)
+
+
+class PlaceholderMask(torch.Tensor):
+    """A placeholder mask whose ``masked_scatter`` (transformers' merge of the vision features into the token
+    embeddings: ``inputs_embeds.masked_scatter(mask, features)``) runs as `scatter_rows`; every other op sees a plain
+    boolean tensor and returns plain tensors."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.Tensor.masked_scatter and not kwargs and len(args) == 3:
+                return scatter_rows(*args)
+            return func(*args, **kwargs)
+
+
 @contextmanager
 def trusted_placeholder_masks(backbone, trusted: bool, joint: bool = False) -> Iterator[None]:
     """Inside the block (when ``trusted``: the collator's batch) the backbone's ``get_placeholder_mask`` skips its
@@ -337,6 +364,11 @@ def trusted_placeholder_masks(backbone, trusted: bool, joint: bool = False) -> I
     count back twice per modality (the check, and the f-string that formats a 0-d tensor), every step. The
     collator checked every sample's placeholders against its grids on the host (``VisionCollator._check``), and
     the tower gives ``t·h·w / merge²`` features per item by construction. Other callers keep transformers' checks.
+
+    The masks come back as `PlaceholderMask`, so transformers' ``inputs_embeds.masked_scatter(mask, features)``
+    merges by index (`scatter_rows`): ``masked_scatter``'s backward selects the features' gradient by the mask, a
+    host sync on CUDA per modality whenever the features need a gradient (a trained tower, or a frozen one under
+    ``gradient_checkpointing_enable()``, whose input-gradient hook reaches the tower's patch embedding too).
 
     ``joint`` (`joint_items`): the image mask covers the video tokens too, where `tower_calls` hands transformers
     the images and videos as one kind, in row order; the DeepStack families then need no merge of the two
@@ -350,7 +382,9 @@ def trusted_placeholder_masks(backbone, trusted: bool, joint: bool = False) -> I
 
     def get_placeholder_mask(input_ids, inputs_embeds=None, image_features=None, video_features=None, **kwargs):
         image_mask, video_mask = original(backbone, input_ids, inputs_embeds=inputs_embeds, **kwargs)
-        return (image_mask | video_mask, video_mask) if joint else (image_mask, video_mask)
+        if joint:
+            image_mask = image_mask | video_mask
+        return image_mask.as_subclass(PlaceholderMask), video_mask.as_subclass(PlaceholderMask)
 
     backbone.get_placeholder_mask = get_placeholder_mask  # an instance attribute: this forward only
     try:

@@ -7,6 +7,7 @@ but the same ops are issued, so counting them on CPU predicts the GPU step's syn
     aten op (TorchDispatchMode)                 why it waits for the device
     _local_scalar_dense                         .item(), int(t), bool(t), `if t:`: a value read on the host
     nonzero, masked_select, boolean index       output shape depends on the data
+    masked_scatter_backward                     the same (the gradient of the scattered source, by the mask)
     unique*, repeat_interleave (no output_size) output shape depends on the data
 
 ``Tensor.tolist()`` copies device memory to the host without a dispatched scalar op, so a dispatch mode never
@@ -52,6 +53,7 @@ _ALWAYS_SYNC = {
     "aten::_local_scalar_dense",
     "aten::nonzero",
     "aten::masked_select",
+    "aten::masked_scatter_backward",  # selects the source's gradient by the mask (masked_select's size, on CUDA)
     "aten::_unique",
     "aten::_unique2",
     "aten::unique_dim",
