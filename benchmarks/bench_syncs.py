@@ -171,12 +171,12 @@ def main() -> None:
             "(transformers 5.23: the collator's `vision_inputs` replace what the vision helpers computed on the "
             "device, the collator's batch is trusted, Qwen3-VL's DeepStack takes images and videos as one kind in "
             "row order). Ops issued inside backward have no frame of their own: they carry the step's line "
-            "(`benchmarks/bench_syncs.py:... step`). Blind spot: a composite backward op that syncs inside its kernel "
-            "is not listed (the dispatch mode sees `masked_scatter_backward`, not the `masked_select` in it): "
-            "transformers' `inputs_embeds.masked_scatter(image_mask, image_embeds)` syncs once per modality in "
-            "backward on a GPU whenever the vision features need a gradient (a trainable tower, or a frozen one under "
-            "gradient checkpointing, whose `enable_input_require_grads` hooks the tower's patch embedding too): the "
-            f"1 sync per rmpad step the GPU run saw at `torch/autograd/graph.py`.{before_note}",
+            "(`benchmarks/bench_syncs.py:... step`). `masked_scatter_backward` is counted as a syncing op: on a GPU "
+            "it selects the features' gradient by the mask (transformers' `inputs_embeds.masked_scatter(image_mask, "
+            "image_embeds)`, once per modality whenever the features need a gradient, frozen towers under gradient "
+            "checkpointing included): the 1 sync per rmpad step the GPU run saw at `torch/autograd/graph.py`. The "
+            "patched arm merges by index instead (`PlaceholderMask`); the unpatched arms keep it (+2 per step against "
+            f"a counter without it).{before_note}",
             "",
             C.md_table(header, rows),
             "",
