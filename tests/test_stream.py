@@ -255,7 +255,8 @@ it = iter(packs)
 next(it)
 holder = {{"it": it}}
 holder["self"] = holder
-ours = lambda t: (getattr(getattr(t, "_target", None), "__module__", None) or type(t).__module__).startswith("hf_packing")
+target = lambda t: getattr(getattr(t, "_target", None), "__module__", None) or type(t).__module__
+ours = lambda t: target(t).startswith("hf_packing")
 print("threads added:", len([t for t in set(threading.enumerate()) - before if ours(t)]), flush=True)
 """
     )
