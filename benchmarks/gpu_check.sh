@@ -8,7 +8,7 @@
 #      gate (`set_sync_debug_mode("error")`) of both: bench_gpu's patched arms and pytest's patched-step test, each
 #      failure with its origin (in backward: the autograd node and the forward line that created it)
 # Each stage has its own timeout and a failed stage does not stop the next; the whole run ends in under 8 minutes
-# (timeouts 30 + 20 + 45 + 140 + 240 s; about 4 minutes expected on an H100). Outputs go to $OUT/gpu/ (gpu_out/
+# (timeouts 30 + 20 + 45 + 180 + 200 s; about 4 minutes expected on an H100). Outputs go to $OUT/gpu/ (gpu_out/
 # when OUT is unset): env.txt, pytest.log, junit.xml, bench.log, RESULTS.md (the updated benchmarks/RESULTS.md), any
 # png the bench wrote, summary.txt.
 # Exit status 0 when every stage passed.
@@ -29,8 +29,8 @@ TESTS=${GPU_CHECK_TESTS:-tests}
 if [ "$DRY" = 1 ]; then
     BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---smoke --lengths 256 --vision frozen}
 else
-    # full 3.75B model: ~2.5 min expected on an H100; --time-budget skips a setting that would end after 190 s
-    BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---lengths 8192 16384 --warmup 1 --steps 4 --time-budget 190}
+    # full 3.75B model: ~2.5 min expected on an H100; --time-budget skips a setting that would end after 160 s
+    BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---lengths 8192 16384 --warmup 1 --steps 4 --time-budget 160}
 fi
 mkdir -p "$DIR"
 rm -f "$DIR"/{env.txt,pytest.log,junit.xml,bench.log,RESULTS.md,summary.txt} "$DIR"/*.png
@@ -109,12 +109,12 @@ import datasets  # noqa: E402,F401  (last: from the carried wheels; test modules
 EOF
 
 # 3. GPU tests (each test at most 90 s; modules that fail to import do not stop the others)
-stage tests "${GPU_CHECK_TIMEOUT_TESTS:-140}" "$DIR/pytest.log" "$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rs \
+stage tests "${GPU_CHECK_TIMEOUT_TESTS:-180}" "$DIR/pytest.log" "$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rs \
     --continue-on-collection-errors -o timeout=90 --junitxml "$DIR/junit.xml" $TESTS
 
 # 4. the GPU benchmark (writes its section of benchmarks/RESULTS.md unless --smoke / --no-write)
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-stage bench "${GPU_CHECK_TIMEOUT_BENCH:-240}" "$DIR/bench.log" "$PY" benchmarks/bench_gpu.py $BENCH_ARGS
+stage bench "${GPU_CHECK_TIMEOUT_BENCH:-200}" "$DIR/bench.log" "$PY" benchmarks/bench_gpu.py $BENCH_ARGS
 [ benchmarks/RESULTS.md -nt "$STAMP" ] && cp benchmarks/RESULTS.md "$DIR/"
 find benchmarks -maxdepth 1 -name '*.png' -newer "$STAMP" | head -n 2 | xargs -r cp -t "$DIR"
 rm -f "$STAMP"
