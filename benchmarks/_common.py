@@ -28,6 +28,7 @@ SECTION_ORDER = (
     "bench_balance",
     "bench_step_cpu",
     "bench_step_cpu_trl",
+    "bench_step_cpu_frozen",
     "bench_syncs",
     "bench_gpu",
 )

@@ -261,3 +261,31 @@ def test_scatter_rows_equals_masked_scatter_values_and_gradients():
     fewer[1, 4] = False
     short = run(lambda: scatter_rows(embeds, fewer.unsqueeze(-1).expand_as(embeds), features[:3]))
     assert not torch.equal(short[0], want[0])
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_a_frozen_tower_runs_without_autograd_and_trains_the_same(model_type):
+    """A frozen vision tower under gradient checkpointing: where transformers' input-gradient hook reaches the tower's
+    patch embedding (Qwen2-VL, Qwen2.5-VL), unpatched every tower block's output requires a gradient and the backward
+    runs through the tower for no parameter (the negative control); patched the one tower call runs without autograd
+    in every family, and the loss and every trained parameter's gradient equal the unpatched model's."""
+    from tests.helpers import assert_equivalent, loss_and_grads, model_and_processor, processed_batch
+
+    model, processor = model_and_processor(model_type)
+    model.model.visual.requires_grad_(False)
+    model.gradient_checkpointing_enable()
+    model.train()
+    batch = processed_batch(processor)
+    graph: list[bool] = []
+    model.model.visual.blocks[-1].register_forward_hook(lambda m, i, out: graph.append(_first(out).requires_grad))
+    hooked = any(m._forward_hooks for m in model.model.visual.patch_embed.modules())  # transformers' hook
+    ref = loss_and_grads(model, batch)
+    assert graph and all(graph) == hooked  # unpatched: the tower's activations are in the graph where hooked
+    graph.clear()
+    hf_packing.apply_rmpad(model_type)
+    assert_equivalent(ref, loss_and_grads(model, batch), f"{model_type} frozen tower")
+    assert graph and not any(graph)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out

@@ -18,6 +18,7 @@ call over ``images ‖ videos`` gives the same features as two calls. The call s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
@@ -218,6 +219,16 @@ def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _iter_tensors(item)
 
 
+def frozen_tower(backbone) -> bool:
+    """Whether the backbone's vision tower trains nothing while gradients are on: then its one call runs without
+    autograd. transformers' ``enable_input_require_grads`` (which ``gradient_checkpointing_enable()`` calls) hooks
+    every input embedding, the tower's patch embedding included, so a frozen tower's features would still require
+    a gradient and the backward would run through every tower block for no parameter. Under sequence parallelism
+    the split call keeps autograd (its all-gather and the dummy image's term take part in the backward)."""
+    visual = getattr(backbone, "visual", None)
+    return torch.is_grad_enabled() and visual is not None and not any(p.requires_grad for p in visual.parameters())
+
+
 @contextmanager
 def tower_calls(
     backbone,
@@ -290,10 +301,11 @@ def tower_calls(
             sizes = precomputed.get(ITEM_TOKENS)
             # the tower's helpers pop their inputs from these keywords: a new dict per call
             kwargs = {**{k: v for k, v in precomputed.items() if k not in (ITEM_TOKENS, ITEM_ORDER)}, **kwargs}
-            if sizes is None:
-                out = type(inner).get_image_features(inner, pixels, grids, **kwargs)
-            else:
-                out = _tower_features(inner, pixels, grids, sizes, **kwargs)
+            with torch.no_grad() if frozen_tower(inner) else contextlib.nullcontext():
+                if sizes is None:
+                    out = type(inner).get_image_features(inner, pixels, grids, **kwargs)
+                else:
+                    out = _tower_features(inner, pixels, grids, sizes, **kwargs)
         else:
             out, term = encode_vision_split(
                 lambda p, g: type(inner).get_image_features(inner, p, g, **kwargs),
