@@ -154,7 +154,7 @@ def test_imports_flow_down_the_layers():
 def test_every_part_says_what_it_owns_and_may_import():
     for package in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()):
         doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
-        assert doc.count("\n\n") >= 0 and len(doc) > 80, f"{package.name}/__init__.py has no docstring"
+        assert len(doc) > 80, f"{package.name}/__init__.py has no docstring"
     for name in ("ops", "preprocess", "packing", "parallel", "patches", "training", "testing", "cli"):
         doc = ast.get_docstring(ast.parse((PACKAGE / name / "__init__.py").read_text()))
         assert "Owns:" in doc and "May import:" in doc, name

@@ -11,7 +11,17 @@ import torch
 
 import hf_packing
 from hf_packing.testing.tiny import build_tiny_model
-from tests.helpers import FIXTURES, MODEL_TYPES, conversations, load_processor, processed_batch, torchrun
+from tests.helpers import (
+    FIXTURES,
+    MODEL_TYPES,
+    assert_equivalent,
+    conversations,
+    load_processor,
+    loss_and_grads,
+    model_and_processor,
+    processed_batch,
+    torchrun,
+)
 
 
 def _count_tower_calls(model) -> list[int]:
@@ -269,8 +279,6 @@ def test_a_frozen_tower_runs_without_autograd_and_trains_the_same(model_type):
     patch embedding (Qwen2-VL, Qwen2.5-VL), unpatched every tower block's output requires a gradient and the backward
     runs through the tower for no parameter (the negative control); patched the one tower call runs without autograd
     in every family, and the loss and every trained parameter's gradient equal the unpatched model's."""
-    from tests.helpers import assert_equivalent, loss_and_grads, model_and_processor, processed_batch
-
     model, processor = model_and_processor(model_type)
     model.model.visual.requires_grad_(False)
     model.gradient_checkpointing_enable()
