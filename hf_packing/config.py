@@ -31,7 +31,7 @@ DictSetting = dict | str | list | None
 #: fields whose command-line string may be JSON (a dict or a list)
 JSON_FIELDS = ("weights", "media_root", "video_root", "fps", "videos_kwargs", "row_format", "chat_template_kwargs")
 #: fields that must be >= 1
-POSITIVE_FIELDS = ("buffer_size", "batch_size", "balance_window", "skip_check_rows")
+POSITIVE_FIELDS = ("buffer_size", "batch_size", "balance_window", "skip_check_rows", "media_tries", "media_max_bytes")
 #: how a mix ends: `None` (every row once without weights, "first_exhausted" with them) or datasets' own names
 STRATEGIES: tuple[str, ...] = ("next_fit", "bfd")  # the planner's bin-packing strategies
 DEFAULT_STRATEGY = "bfd"  # plan_packs', StreamingPlanner's and PackingConfig's
@@ -184,6 +184,31 @@ class PackingConfig:
             limit applies too"""
         ),
     )
+    media_timeout: float = field(
+        default=10.0,
+        metadata=_help(
+            """seconds one http(s):// URL may take in all (every try and pause included) before its row is skipped
+            ("fetch_failed", naming the URL); URLs are read in the DataLoader workers, never in the training step
+            (hf_packing/preprocess/fetch.py)"""
+        ),
+    )
+    media_tries: int = field(
+        default=3,
+        metadata=_help(
+            "attempts per URL for failures that may pass (timeout, refused or reset connection, HTTP 408/429/5xx)"
+        ),
+    )
+    media_max_bytes: int = field(
+        default=50_000_000,
+        metadata=_help("the largest image or video a URL or data URI may hold; a larger one is skipped (fetch_failed)"),
+    )
+    media_cache_bytes: int = field(
+        default=64 * 1024 * 1024,
+        metadata=_help(
+            """whole fetched bodies each DataLoader worker keeps per source (least recently used out first), so a URL
+            planned shortly before its pack is processed is fetched once; 0: none"""
+        ),
+    )
     disable_progress: bool = field(default=False, metadata=_help("no tqdm bar for planning and indexing passes"))
     leftovers: Literal["drop", "spread"] = field(
         default="drop",
@@ -273,6 +298,11 @@ class PackingConfig:
             raise ValueError(f"stopping_strategy must be one of {STOPPING_STRATEGIES}, got {self.stopping_strategy!r}")
         if not 0.0 <= float(self.max_skipped_fraction) <= 1.0:
             raise ValueError(f"max_skipped_fraction must be in [0, 1], got {self.max_skipped_fraction}")
+        if not float(self.media_timeout) > 0 or self.media_cache_bytes < 0:
+            raise ValueError(
+                f"media_timeout must be > 0 and media_cache_bytes >= 0, got {self.media_timeout}, "
+                f"{self.media_cache_bytes}"
+            )
         for name in POSITIVE_FIELDS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

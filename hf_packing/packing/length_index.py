@@ -71,6 +71,8 @@ def index_key(ds: Any, preprocessor: Preprocessor) -> str:
         "video_root": str(pre.videos.images.image_root),
         "videos_kwargs": None if pre.sampling is None else dataclasses.asdict(pre.sampling.settings),
         "max_image_pixels": pre.images.max_image_pixels,
+        # a URL that failed under these bounds is a skip stored in the index: other bounds index again
+        "media": [pre.images.fetcher.timeout, pre.images.fetcher.tries, pre.images.fetcher.max_bytes],
         "processor": processor_signature(pre.processor),
     }
     blob = json.dumps(settings, sort_keys=True, default=str).encode()

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..preprocess.preprocessor import META_COLUMNS
 
-__all__ = ["SOURCE_COLUMN", "IterSource", "MapSource", "load_local", "make_source"]
+__all__ = ["SOURCE_COLUMN", "IterSource", "MapSource", "is_imagefolder", "load_local", "make_source"]
 
 SOURCE_COLUMN = "__hf_packing_source__"
 
@@ -159,10 +159,25 @@ def _builder(path: str) -> str:
     return builder
 
 
+def is_imagefolder(path: Path) -> bool:
+    """Whether directory `path` is an image folder as `datasets`' `imagefolder` builder reads it: image files under it,
+    with a top-level ``metadata.jsonl`` / ``.csv`` / ``.parquet`` or no other data file at its top level."""
+    from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+
+    extensions = {e.lower() for e in ImageFolder.EXTENSIONS}
+    metadata = any((path / f"metadata.{ext}").is_file() for ext in ("jsonl", "csv", "parquet"))
+    data = any(f.is_file() and f.suffix.lstrip(".") in _BUILDERS for f in path.iterdir())
+    if data and not metadata:
+        return False
+    return any(f.suffix.lower() in extensions for f in path.rglob("*") if f.is_file())
+
+
 def load_local(path: str, *, streaming: bool = False) -> Any:
-    """One local source, split ``train``: a directory written by ``save_to_disk`` (``load_from_disk``), or
-    json/jsonl/parquet/arrow data files (``load_dataset``): a file, a glob or a directory of them. A path that does
-    not exist, or a glob that matches nothing, is a `FileNotFoundError` naming it."""
+    """One local source, split ``train``: a directory written by ``save_to_disk`` (``load_from_disk``), an image folder
+    (images with a ``metadata.jsonl`` / ``metadata.csv``: ``load_dataset("imagefolder", data_dir=path)``, each row's
+    image in its `image` column), or json/jsonl/parquet/arrow data files (``load_dataset``): a file, a glob or a
+    directory of them. A path that does not exist, or a glob that matches nothing, is a `FileNotFoundError` naming
+    it."""
     import datasets
 
     p = Path(path)
@@ -170,6 +185,8 @@ def load_local(path: str, *, streaming: bool = False) -> Any:
         ds = datasets.load_from_disk(str(p))
         ds = ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
         return ds.to_iterable_dataset() if streaming else ds
+    if p.is_dir() and is_imagefolder(p):
+        return datasets.load_dataset("imagefolder", data_dir=str(p), split="train", streaming=streaming)
     if p.is_dir():
         files = sorted(str(f) for f in p.iterdir() if f.suffix.lstrip(".") in _BUILDERS)
         if not files:

@@ -55,6 +55,10 @@ def preprocessors(cfg: PackingConfig, processor: Any, names: list[str]) -> dict[
             max_image_pixels=cfg.max_image_pixels,
             chat_template_kwargs=template_kwargs[n],
             empty_thinking=cfg.empty_thinking,
+            media_timeout=cfg.media_timeout,
+            media_tries=cfg.media_tries,
+            media_max_bytes=cfg.media_max_bytes,
+            media_cache_bytes=cfg.media_cache_bytes,
         )
         for n in fmt
     }

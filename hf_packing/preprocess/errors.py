@@ -18,7 +18,7 @@ REASONS: tuple[str, ...] = (  # why a row is skipped: its conversation, its medi
     *("bad_row", "bad_text", "empty_conversation", "no_assistant_turn", "placeholder_mismatch", "missing_file"),
     *("template_error", "unlocated_assistant_turn"),
     *("path_outside_root", "empty_image", "corrupt_image", "image_too_large", "bad_aspect_ratio", "unsupported_video"),
-    *("empty_video", "corrupt_video", "video_too_large"),
+    *("empty_video", "corrupt_video", "video_too_large", "fetch_failed", "bad_data_uri"),
     *("overlong", "overlong_vision", "length_mismatch", "too_many_images", "too_many_vision_patches"),
     "empty_pack",
 )

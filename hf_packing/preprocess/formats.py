@@ -1,7 +1,10 @@
 """Row formats: what a row may look like, one format per source, and the checks that keep a row from mis-training.
 
-- `messages` (HF), detected by a `messages` column: `role` / `content` turns (a string or typed parts), media in
-  `images` / `videos` or inline parts, tags are `{"type": "image" | "video"}` parts. Every other key of a message
+- `messages` (HF), detected by a `messages` column (a list of turns, or its JSON string as a CSV stores it):
+  `role` / `content` turns (a string or typed parts), media in `images` (a list) or `image` (one, as the Hub's
+  imagefolder and single-image parquet files name it) / `videos` or inline parts, tags are `{"type": "image" |
+  "video"}` parts (OpenAI's `{"type": "image_url", "image_url": {"url": ...}}` and `video_url` parts are inline
+  media too). Every other key of a message
   (`reasoning_content`, `tool_calls`, `name`, `tool_call_id`, …), any role (`tool`) and the row's `tools` reach the
   chat template as written. LLaMA-Factory's multimodal rows (string contents with `<image>` / `<video>` tags and
   `images` / `videos` columns) are this format: with media columns and no typed media parts, tags are split.
@@ -54,6 +57,7 @@ _ROLES = {  # ShareGPT / LLaVA speakers (`from`)
     **{"observation": "tool", "tool": "tool", "function_call": "assistant"},
 }
 _TAGS = re.compile(r"(<image>|<video>)")
+_URL_PARTS = {"image_url": "image", "video_url": "video"}  # OpenAI's media parts
 logger = logging.getLogger(__name__)
 
 
@@ -252,6 +256,10 @@ def _content(
             raise SampleError("bad_row", f"a content part must be a dict, got {type(part).__name__}")
         part = {k: v for k, v in part.items() if v is not None}
         kind = part.get("type") or ("image" if "image" in part else "video" if "video" in part else "text")
+        if kind in _URL_PARTS:  # OpenAI: {"type": "image_url", "image_url": {"url": ...}} (or the URL itself)
+            url = part.pop(kind, None)
+            part[_URL_PARTS[kind]] = url.get("url") if isinstance(url, Mapping) else url
+            kind = _URL_PARTS[kind]
         if kind in ("image", "video"):
             ref = part.pop(kind, part.pop("path", None))
             if inline and ref is not None:
@@ -307,7 +315,7 @@ def _has_media_parts(turns: Any) -> bool:
     return any(
         isinstance(t, Mapping)
         and isinstance(t.get("content"), (list, tuple))
-        and any(isinstance(p, Mapping) and p.get("type") in ("image", "video") for p in t["content"])
+        and any(isinstance(p, Mapping) and p.get("type") in ("image", "video", *_URL_PARTS) for p in t["content"])
         for t in turns
     )
 
@@ -329,7 +337,7 @@ def normalize_row(row: Mapping[str, Any], index: Any = None, *, row_format: str 
     if row_format == "prompt_completion":
         prompt, completion = row.get("prompt"), row.get("completion")
         if isinstance(prompt, (str, bytes)) and isinstance(completion, (str, bytes)):
-            if _media(row, "images") or _media(row, "videos"):
+            if _media(row, "image", "images") or _media(row, "videos"):
                 raise SampleError("bad_row", "string prompt/completion rows hold no media: use the conversational form")
             return Conversation([], [], [], raw=(_text(prompt, index), _text(completion, index)))
         if not isinstance(prompt, (list, tuple)) or not isinstance(completion, (list, tuple)):
@@ -337,11 +345,12 @@ def normalize_row(row: Mapping[str, Any], index: Any = None, *, row_format: str 
         turns, first = [*prompt, *completion], len(prompt)
     else:
         turns, first = row.get("messages" if row_format == "messages" else "conversations") or [], 0
+        if isinstance(turns, str):  # a CSV (imagefolder's metadata.csv) holds the turns as JSON
+            turns = _json(turns, "messages" if row_format == "messages" else "conversations")
     llava = row_format == "llava"
-    if llava:
-        images, videos = _media(row, "image", "images"), _media(row, "video", "videos")
-    else:
-        images, videos = _media(row, "images"), _media(row, "videos")
+    # `image` (one, or a list): the Hub's imagefolder and single-image parquet column, accepted by every format
+    images = _media(row, "image", "images")
+    videos = _media(row, "video", "videos") if llava else _media(row, "videos")
     turns = list(turns or [])
     typed = _has_media_parts(turns)
     # LLaMA-Factory: HF messages whose string contents hold <image> / <video> tags for the `images` / `videos` columns

@@ -5,6 +5,10 @@ docs/packer.md, 'What a row costs'), plus the last 2 KB of JPEG/PNG data, so a t
 planning, not after its pack was made. Sizes are EXIF-rotated from the header (a PNG's `getexif()` would decode the
 file); decoding rotates with `PIL.ImageOps.exif_transpose`. The two disagree only on a PNG whose EXIF follows its
 pixels, planned unrotated: the same tokens, since Qwen's resize rule treats height and width alike.
+
+A URL or data URI (`fetch.py`) is read through the loader's [`~hf_packing.preprocess.fetch.MediaFetcher`]: its size
+from the first 64 KiB (the whole image when its header does not fit), its pixels from the whole body; the end-marker
+check then runs on the whole body, when the sample is processed.
 """
 
 from __future__ import annotations
@@ -21,24 +25,37 @@ from PIL import Image, ImageOps
 
 from ..config import MAX_IMAGE_PIXELS
 from .errors import SampleError
+from .fetch import MediaFetcher, describe, is_remote
 
 _ORIENTATION = 0x0112  # the EXIF tag
 
 
+class _Prefix(io.BytesIO):
+    """The first bytes of a remote image, enough for most headers."""
+
+
 class ImageLoader:
-    """Opens image references: a PIL image, bytes, `{"bytes": ..., "path": ...}` (HF `Image(decode=False)`) or a path.
+    """Opens image references: a PIL image, bytes, `{"bytes": ..., "path": ...}` (HF `Image(decode=False)`), a path,
+    or an `http(s)://` URL or `data:` URI (fetched by `fetcher`).
 
     Args:
         image_root (`str` or `Path`, *optional*): relative paths resolve here; a path escaping it (`..`, absolute,
             symlink) raises [`SampleError`] `"path_outside_root"`. Without it, paths are used as given.
         max_image_pixels (`int`, defaults to 89,478,485): larger images (by header) raise `"image_too_large"`.
+        fetcher ([`~hf_packing.preprocess.fetch.MediaFetcher`], *optional*): reads URLs and data URIs (default: one
+            with the default bounds).
     """
 
     def __init__(
-        self, *, image_root: str | os.PathLike | None = None, max_image_pixels: int = MAX_IMAGE_PIXELS
+        self,
+        *,
+        image_root: str | os.PathLike | None = None,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
+        fetcher: MediaFetcher | None = None,
     ) -> None:
         self.image_root = Path(image_root).resolve() if image_root is not None else None
         self.max_image_pixels = max_image_pixels
+        self.fetcher = fetcher if fetcher is not None else MediaFetcher()
 
     def resolve(self, ref: str | os.PathLike) -> Path:
         path = Path(os.fsdecode(ref)).expanduser()
@@ -49,11 +66,18 @@ class ImageLoader:
             raise SampleError("path_outside_root", f"path {os.fsdecode(ref)!r} resolves outside {self.image_root}")
         return resolved
 
-    def _source(self, ref: Any) -> Image.Image | io.BytesIO | Path:
+    def _source(self, ref: Any, header_only: bool = False) -> Image.Image | io.BytesIO | Path:
         if isinstance(ref, Image.Image):
             return ref
         if isinstance(ref, Mapping):
             ref = ref.get("bytes") or ref.get("path")
+        if is_remote(ref):
+            body, whole = self.fetcher.header(ref) if header_only else (self.fetcher.fetch(ref), True)
+            if not body:
+                raise SampleError("empty_image", f"image {describe(ref)} has 0 bytes")
+            if not whole:
+                return _Prefix(body)  # the end-marker check waits for the whole body (processing)
+            ref = body
         if isinstance(ref, (bytes, bytearray, memoryview)):
             data = bytes(ref)
             if not data:
@@ -74,9 +98,10 @@ class ImageLoader:
             _check_tail(head, f.read())
         return path
 
-    def open(self, ref: Any) -> Image.Image:
-        """The lazily opened image (pixels not decoded); size and pixel-budget checks done."""
-        src = self._source(ref)
+    def open(self, ref: Any, *, header_only: bool = False) -> Image.Image:
+        """The lazily opened image (pixels not decoded); size and pixel-budget checks done. `header_only`: a remote
+        image may be opened from its first bytes (enough for its size, not its pixels)."""
+        src = self._source(ref, header_only)
         if isinstance(src, Image.Image):
             return src
         try:
@@ -86,7 +111,10 @@ class ImageLoader:
         except Image.DecompressionBombError as err:
             raise SampleError("image_too_large", str(err)) from None
         except (OSError, SyntaxError, ValueError) as err:
-            raise SampleError("corrupt_image", f"unreadable image ({err})") from None
+            if isinstance(src, _Prefix):  # its header goes on past the prefix: read the whole image
+                return self.open(ref)
+            where = f" {describe(ref)}" if is_remote(ref) else ""
+            raise SampleError("corrupt_image", f"unreadable image{where} ({err})") from None
         width, height = image.size
         if width * height == 0:
             image.close()
@@ -100,7 +128,7 @@ class ImageLoader:
 
     def size(self, ref: Any) -> tuple[int, int]:
         """`(height, width)` after EXIF rotation, from the header only."""
-        image = self.open(ref)
+        image = self.open(ref, header_only=True)
         try:
             width, height = image.size
             in_header = image.format != "PNG" or "exif" in image.info  # else PIL's getexif() decodes the pixels

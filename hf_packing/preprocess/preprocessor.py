@@ -36,6 +36,7 @@ import torch
 from ..config import MAX_IMAGE_PIXELS, PackingConfig
 from ..ops.loss import IGNORE_INDEX
 from .errors import REASONS, OverlongError, SampleError, SkipCounter
+from .fetch import MediaFetcher
 from .formats import FORMATS, Conversation, normalize_row, row_fps
 from .images import ImageLoader
 from .templates import ChatRenderer
@@ -116,8 +117,9 @@ class Preprocessor:
         processor: a Qwen-VL processor (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`, `Qwen3VLProcessor`).
         max_length (`int`, *optional*): token budget (`None`: none); longer samples follow `on_overlong`.
         media_root, video_root, fps, videos_kwargs, train_on, on_overlong, max_image_pixels, chat_template_kwargs,
-            empty_thinking: one source's value of the [`~hf_packing.packing.dataset.pack_dataset`] setting of that name
-            (`image_root`: `media_root`'s former name).
+            empty_thinking, media_timeout, media_tries, media_max_bytes, media_cache_bytes: one source's value of the
+            [`~hf_packing.packing.dataset.pack_dataset`] setting of that name (`image_root`: `media_root`'s former
+            name).
         row_format (`str`, defaults to `"auto"`): `"messages"`, `"llava"`, or `"auto"` per row (see `formats.py`).
     """
 
@@ -137,6 +139,10 @@ class Preprocessor:
         image_root: str | os.PathLike | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         empty_thinking: str = PackingConfig.empty_thinking,
+        media_timeout: float = PackingConfig.media_timeout,
+        media_tries: int = PackingConfig.media_tries,
+        media_max_bytes: int = PackingConfig.media_max_bytes,
+        media_cache_bytes: int = PackingConfig.media_cache_bytes,
     ) -> None:
         if media_root is not None and image_root is not None:
             raise ValueError("image_root is the former name of media_root: pass one of them")
@@ -148,9 +154,13 @@ class Preprocessor:
             raise ValueError(f"on_overlong must be 'drop', 'error' or 'truncate_text', got {on_overlong!r}")
         self.processor, self.max_length, self.train_on, self.on_overlong = processor, max_length, train_on, on_overlong
         root = media_root if media_root is not None else image_root
-        self.images = ImageLoader(image_root=root, max_image_pixels=max_image_pixels)
+        # one fetcher (and its cache) for images, videos and frames: URLs and data URIs, see fetch.py
+        fetcher = MediaFetcher(
+            timeout=media_timeout, tries=media_tries, max_bytes=media_max_bytes, cache_bytes=media_cache_bytes
+        )
+        self.images = ImageLoader(image_root=root, max_image_pixels=max_image_pixels, fetcher=fetcher)
         self.videos = VideoLoader(
-            video_root=root if video_root is None else video_root, max_image_pixels=max_image_pixels
+            video_root=root if video_root is None else video_root, max_image_pixels=max_image_pixels, fetcher=fetcher
         )
         video_processor = getattr(processor, "video_processor", None)
         self.sampling = VideoSampling(video_processor, videos_kwargs) if video_processor is not None else None

@@ -35,6 +35,7 @@ import numpy as np
 from .. import _compat
 from ..config import MAX_IMAGE_PIXELS
 from .errors import SampleError
+from .fetch import MediaFetcher, describe, is_remote
 from .images import ImageLoader
 
 __all__ = ["BACKEND", "BACKENDS", "VideoInfo", "VideoLoader", "backend", "is_file_ref"]
@@ -92,12 +93,18 @@ class VideoLoader:
             (`"path_outside_root"`); without it, paths are used as given.
         max_image_pixels (`int`, defaults to 89,478,485): a larger frame (`width · height` by header) is
             `"video_too_large"` (for frames given as images, `"image_too_large"`).
+        fetcher ([`~hf_packing.preprocess.fetch.MediaFetcher`], *optional*): reads URLs and data URIs, files and
+            frames alike (a video URL is fetched whole: its container's header may sit at its end).
     """
 
     def __init__(
-        self, *, video_root: str | os.PathLike | None = None, max_image_pixels: int = MAX_IMAGE_PIXELS
+        self,
+        *,
+        video_root: str | os.PathLike | None = None,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
+        fetcher: MediaFetcher | None = None,
     ) -> None:
-        self.images = ImageLoader(image_root=video_root, max_image_pixels=max_image_pixels)
+        self.images = ImageLoader(image_root=video_root, max_image_pixels=max_image_pixels, fetcher=fetcher)
         self.max_image_pixels = max_image_pixels
 
     # ------------------------------------------------------------------------------------------------ planning
@@ -144,9 +151,12 @@ class VideoLoader:
     def _source(self, ref: Any) -> Path | bytes:
         if isinstance(ref, Mapping):
             ref = ref.get("bytes") or ref.get("path")
+        what = "video"
+        if is_remote(ref):
+            what, ref = f"video {describe(ref)}", self.images.fetcher.fetch(ref)
         if isinstance(ref, (bytes, bytearray, memoryview)):
             if not len(ref):
-                raise SampleError("empty_video", "video has 0 bytes")
+                raise SampleError("empty_video", f"{what} has 0 bytes")
             return bytes(ref)
         if not isinstance(ref, (str, os.PathLike)):
             raise SampleError("unsupported_video", f"unsupported video reference of type {type(ref).__name__}")
