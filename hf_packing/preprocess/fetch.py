@@ -113,6 +113,10 @@ class MediaFetcher:
         if ref[:5].lower() == "data:" or ref in self._cache:
             return self.fetch(ref), True
         body, complete = self._get(ref, size)
+        if complete and len(body) > self.max_bytes:
+            raise SampleError(
+                "fetch_failed", f"{describe(ref)} has {len(body):,} bytes > media_max_bytes={self.max_bytes:,}"
+            )
         if complete:
             self._keep(ref, body)
         return body, complete
