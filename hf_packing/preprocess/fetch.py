@@ -39,6 +39,7 @@ import urllib.request
 from collections import OrderedDict
 from typing import Any
 
+from ..config import PackingConfig
 from .errors import SampleError
 
 __all__ = ["HEADER_BYTES", "MediaFetcher", "describe", "is_remote"]
@@ -77,15 +78,18 @@ class MediaFetcher:
         tries (`int`, defaults to 3): attempts at most for a failure that may pass.
         max_bytes (`int`, defaults to 50,000,000): the largest body accepted.
         cache_bytes (`int`, defaults to 64 MiB): whole bodies kept, least recently used out first (0: none).
+
+    Example: ``MediaFetcher(timeout=2.0).fetch("https://example.com/cat.jpg")`` gives the JPEG's bytes, or raises
+    [`SampleError`] `"fetch_failed"` naming the URL.
     """
 
     def __init__(
         self,
         *,
-        timeout: float = 10.0,
-        tries: int = 3,
-        max_bytes: int = 50_000_000,
-        cache_bytes: int = 64 * 1024 * 1024,
+        timeout: float = PackingConfig.media_timeout,  # the defaults are PackingConfig's, declared once there
+        tries: int = PackingConfig.media_tries,
+        max_bytes: int = PackingConfig.media_max_bytes,
+        cache_bytes: int = PackingConfig.media_cache_bytes,
     ) -> None:
         if timeout <= 0 or tries < 1 or max_bytes < 1 or cache_bytes < 0:
             raise ValueError(
