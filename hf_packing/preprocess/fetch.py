@@ -153,8 +153,11 @@ class MediaFetcher:
                 body = urllib.parse.unquote_to_bytes(payload)
         except (binascii.Error, ValueError) as err:
             raise SampleError("bad_data_uri", f"data URI {describe(ref)} is not valid base64 ({err})") from None
-        if not body:
-            raise SampleError("bad_data_uri", f"data URI {describe(ref)} holds 0 bytes")
+        if not body or len(body) > self.max_bytes:
+            raise SampleError(
+                "bad_data_uri",
+                f"data URI {describe(ref)} holds {len(body):,} bytes (1 to media_max_bytes={self.max_bytes:,})",
+            )
         return body
 
     def _get(self, url: str, size: int | None) -> tuple[bytes, bool]:
