@@ -334,3 +334,19 @@ def test_local_paths_and_pil_images_read_nothing_remote(tmp_path, monkeypatch):
     buf = io.BytesIO()
     image(28, 56).save(buf, "PNG")
     assert loader.size(f"data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}") == (56, 28)
+
+
+def test_the_length_index_is_rebuilt_under_other_media_bounds():
+    """A URL that failed while indexing is stored as a skip: the index key follows media_timeout / media_tries /
+    media_max_bytes (so other bounds index again), not the cache size (which changes no outcome)."""
+    from datasets import Dataset
+
+    from hf_packing.packing.length_index import index_key
+    from hf_packing.preprocess.preprocessor import Preprocessor
+
+    processor = load_processor("qwen2_5_vl")
+    ds = Dataset.from_list([row(0, image="http://127.0.0.1:9/a.png")])
+    key = index_key(ds, Preprocessor(processor))
+    assert index_key(ds, Preprocessor(processor, media_cache_bytes=0)) == key
+    for bounds in ({"media_timeout": 30.0}, {"media_tries": 1}, {"media_max_bytes": 10}):
+        assert index_key(ds, Preprocessor(processor, **bounds)) != key, bounds
