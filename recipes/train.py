@@ -4,12 +4,13 @@
     python recipes/train.py recipes/configs/qwen2_5_vl_3b.yaml --max_steps 100    # flags after it override it
     accelerate launch --config_file recipes/accelerate/fsdp2.yaml recipes/train.py recipes/configs/qwen2_5_vl_7b.yaml
     python recipes/train.py --model_name_or_path ... --dataset_path data.jsonl --output_dir out ...   # flags only
+    python recipes/train.py CONFIG --dataset_name org/name --dataset_config c   # TRL's names: a Hub id or local dir
 
-Pipeline: local dataset(s) → `pack_dataset` (one pack = one micro-batch, rank-equal) → `VisionCollator`
-→ a model patched by `apply_rmpad` before it is loaded → Trainer, with `PackingTelemetry` in front of the
-reporting callbacks. Evaluation (``eval_dataset_path`` or ``eval_split``, with ``eval_strategy``) packs the eval rows
-the same way and reports a token-level ``eval_loss`` and ``eval_token_accuracy``. See recipes/README.md for launch
-lines, FSDP2 / ZeRO notes and resuming.
+Pipeline: local files or a dataset by name → `pack_dataset` (one pack = one micro-batch, rank-equal) →
+`VisionCollator` → a model patched by `apply_rmpad` before it is loaded → Trainer, with `PackingTelemetry` in front of
+the reporting callbacks. Evaluation (``eval_dataset_path``, ``eval_split`` or dataset_name's test split, with
+``eval_strategy``) packs the eval rows the same way and reports a token-level ``eval_loss`` and
+``eval_token_accuracy``. See recipes/README.md for launch lines, FSDP2 / ZeRO notes and resuming.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def parse_args(
         config = {aliases.get(key, key): value for key, value in config.items()}
         unknown = sorted(set(config) - known)
         if unknown:
-            raise ValueError(unknown_keys_message(unknown, config))
+            raise SettingError(unknown_keys_message(unknown, config))
         flags = {arg.split("=")[0].lstrip("-").replace("-", "_") for arg in argv if arg.startswith("--")}
         for pair in _ALTERNATIVES:  # `--dataset_name X` after a YAML with dataset_path trains on X alone
             for a, b in (pair, pair[::-1]):
