@@ -279,6 +279,8 @@ def load_named(data_args: DataArguments, split_setting: str) -> Any:
     name, config, split = data_args.dataset_name, data_args.dataset_config, getattr(data_args, split_setting)
     assert name is not None
     path = Path(name)
+    if path.is_file():
+        raise SettingError(f"dataset_name: {name!r} is a file; data files go in dataset_path (or their directory here)")
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         found = datasets.load_from_disk(str(path))
         if isinstance(found, datasets.Dataset):  # one saved split, no name: it trains
@@ -287,12 +289,17 @@ def load_named(data_args: DataArguments, split_setting: str) -> Any:
                     f"{split_setting}={split!r}: dataset_name {name!r} is a saved Dataset (one split, for training); "
                     "save a DatasetDict, or set eval_split or eval_dataset_path"
                 )
-            return found.to_iterable_dataset() if data_args.streaming else found
+            found = datasets.DatasetDict({split: found})
     else:
         try:
             found = datasets.load_dataset(name, config, streaming=data_args.streaming)
         except (ConnectionError, FileNotFoundError, DatasetNotFoundError) as err:
             why = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if path.is_dir():
+                raise SettingError(
+                    f"dataset_name: {name!r} is a directory that datasets cannot read as a dataset ({why}); give a "
+                    "save_to_disk directory or one of data files (json/jsonl/parquet/arrow, or an image folder)"
+                ) from None
             raise SettingError(
                 f"dataset_name: {name!r} is not a local dataset directory and cannot be loaded ({why}); download it "
                 "once with network access (it is then read from the cache offline), or pass a local directory "
@@ -304,7 +311,8 @@ def load_named(data_args: DataArguments, split_setting: str) -> Any:
             raise SettingError(f"dataset_config={config!r} is not a configuration of {name!r}: {err}") from None
     if split not in found:
         raise SettingError(f"{split_setting}={split!r} is not a split of {name!r} (splits: {sorted(found)})")
-    return found[split]
+    ds = found[split]
+    return ds.to_iterable_dataset() if data_args.streaming and isinstance(ds, datasets.Dataset) else ds
 
 
 #: PackingConfig settings that take one value per source

@@ -411,6 +411,19 @@ def test_dataset_name_reads_a_directory_of_data_files_by_split(train, tmp_path, 
     args.dataset_config = "nope"
     with pytest.raises(train.SettingError, match=r"^dataset_config='nope' is not a configuration of"):
         train.load_named(args, "dataset_train_split")
+    # a saved DatasetDict streams too; a directory without data and a data file are named as what they are
+    saved = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"messages": []}] * 3)})
+    saved.save_to_disk(str(tmp_path / "saved"))
+    ds = train.load_named(
+        train.DataArguments(dataset_name=str(tmp_path / "saved"), streaming=streaming), "dataset_train_split"
+    )
+    assert isinstance(ds, datasets.IterableDataset) == streaming and len(list(ds)) == 3
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(train.SettingError, match=r"^dataset_name: '.*empty' is a directory that datasets cannot read"):
+        train.load_named(train.DataArguments(dataset_name=str(tmp_path / "empty")), "dataset_train_split")
+    parquet = str(tmp_path / "hub" / "data" / "test-00000.parquet")
+    with pytest.raises(train.SettingError, match=r"is a file; data files go in dataset_path"):
+        train.load_named(train.DataArguments(dataset_name=parquet), "dataset_train_split")
 
 
 def test_a_dataset_name_not_in_the_cache_fails_offline_in_one_line_naming_it(tmp_path):
