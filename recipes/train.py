@@ -139,7 +139,9 @@ LLAMA_FACTORY_KEYS = {
     "flash_attn": "attn_backend (auto | flash_attn | torch_varlen | reference)",
     "image_max_pixels": "the processor's max_pixels: save a processor loaded with max_pixels=N and set "
     "processor_name_or_path to it (max_image_pixels is a different setting: the size above which an image is skipped)",
+    "image_min_pixels": "the processor's min_pixels, as image_max_pixels",
     "video_max_pixels": 'videos_kwargs: {"max_pixels": N}',
+    "video_min_pixels": 'videos_kwargs: {"min_pixels": N}',
     "video_fps": 'videos_kwargs: {"fps": N}',
     "video_maxlen": 'videos_kwargs: {"max_frames": N}',
     "warmup_ratio": "warmup_steps (a float below 1 is a ratio of the run)",
@@ -150,7 +152,19 @@ LLAMA_FACTORY_KEYS = {
     "trust_remote_code": "nothing here (remove it)",
     "tokenized_path": "nothing here (remove it): rows are tokenised in the DataLoader workers",
     "mask_history": "nothing here (remove it): every assistant turn is supervised",
+    "enable_liger_kernel": "use_liger",
+    "disable_gradient_checkpointing": "gradient_checkpointing: false",
+    "freeze_multi_modal_projector": "nothing: freeze_vision_tower freezes the ViT with its merger (the projector)",
+    "compute_accuracy": "nothing: evaluation always reports eval_token_accuracy (remove it)",
+    "quantization_bit": "nothing: no quantized (QLoRA) training here (remove it)",
+    "adapter_name_or_path": "nothing: train.py starts new adapters (remove it)",
 }
+#: LLaMA-Factory's defaults that differ from this recipe's, for the keys a LLaMA-Factory file usually leaves out
+LLAMA_FACTORY_DEFAULTS = (
+    "defaults that differ: LLaMA-Factory trains LoRA unless told otherwise, this recipe all weights unless use_lora: "
+    "true; freeze_vision_tower is true there, false here; lora_alpha is 2 x lora_rank there, 128 here; lora_dropout "
+    "is 0 there, 0.05 here"
+)
 #: settings named as in LLaMA-Factory whose meaning differs here
 LLAMA_FACTORY_SAME_NAME = {
     "buffer_size": "buffer_size here is the packer's planning window in rows, not a streaming shuffle buffer "
@@ -169,6 +183,7 @@ def unknown_keys_message(unknown: list[str], given: Any) -> str:
     if lf:
         notes = [f"{k} -> {LLAMA_FACTORY_KEYS[k]}" for k in lf]
         notes += [note for k, note in LLAMA_FACTORY_SAME_NAME.items() if k in given]
+        notes.append(LLAMA_FACTORY_DEFAULTS)
         parts.append(
             f"LLaMA-Factory keys in the config file, and what to write instead: {'; '.join(notes)} "
             "(docs/recipes.md, 'From LLaMA-Factory')"

@@ -514,6 +514,7 @@ def test_a_llama_factory_yaml_names_each_key_with_its_equivalent_in_one_error(tr
     for key in ("image_max_pixels", "trust_remote_code", "stage", "template", "max_samples", "plot_loss"):
         assert f"{key} -> " in message, key
     assert "buffer_size here is the packer's planning window" in message  # same name, another meaning
+    assert "freeze_vision_tower is true there, false here; lora_alpha is 2 x lora_rank there" in message
     assert "unknown keys in the config file" not in message  # every unknown key is LLaMA-Factory's
     assert message.count("\n") == 0
     rewritten = tmp_path / "ours.yaml"  # each line rewritten as the message says
