@@ -172,14 +172,16 @@ LLAMA_FACTORY_SAME_NAME = {
 }
 
 
-def unknown_keys_message(unknown: list[str], given: Any) -> str:
-    """The error for `unknown` keys of a config file (`given`: all its keys): LLaMA-Factory's keys each with the setting
-    to write instead, the rest with the closest known names."""
+def unknown_keys_message(unknown: list[str], given: Any, known: Any) -> str:
+    """The error for `unknown` keys of a config file (`given`: all its keys; `known`: the settings): LLaMA-Factory's
+    keys each with the setting to write instead, the rest with the closest settings' names."""
     lf = [k for k in unknown if k in LLAMA_FACTORY_KEYS]
     other = [k for k in unknown if k not in LLAMA_FACTORY_KEYS]
     parts = []
     if other:
-        parts.append(f"unknown keys in the config file: {other}")
+        near = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in other}
+        hint = ", ".join(f"{k} -> {m[0]}?" for k, m in near.items() if m)
+        parts.append(f"unknown keys in the config file: {other}" + (f" (closest: {hint})" if hint else ""))
     if lf:
         notes = [f"{k} -> {LLAMA_FACTORY_KEYS[k]}" for k in lf]
         notes += [note for k, note in LLAMA_FACTORY_SAME_NAME.items() if k in given]
@@ -216,7 +218,7 @@ def parse_args(
         config = {aliases.get(key, key): value for key, value in config.items()}
         unknown = sorted(set(config) - known)
         if unknown:
-            raise SettingError(unknown_keys_message(unknown, config))
+            raise SettingError(unknown_keys_message(unknown, config, known))
         flags = {arg.split("=")[0].lstrip("-").replace("-", "_") for arg in argv if arg.startswith("--")}
         for pair in _ALTERNATIVES:  # `--dataset_name X` after a YAML with dataset_path trains on X alone
             for a, b in (pair, pair[::-1]):
@@ -472,7 +474,7 @@ def main(argv: list[str] | None = None) -> Trainer:
     if not held_out and data_args.dataset_name and training_args.eval_strategy != "no":  # TRL: the test split
         held_out = {f"eval:{data_args.dataset_test_split}": load_named(data_args, "dataset_test_split")}
     if not held_out and training_args.eval_strategy != "no":
-        raise ValueError(
+        raise SettingError(
             f"eval_strategy={training_args.eval_strategy.value!r} needs eval data: set eval_dataset_path or eval_split"
         )
     processor = AutoProcessor.from_pretrained(model_args.processor_name_or_path or model_args.model_name_or_path)

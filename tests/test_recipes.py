@@ -383,6 +383,14 @@ def test_dataset_name_trains_from_a_local_dataset_directory_offline(train, tmp_p
     assert trainer.train_dataset.stats(log=False)["rows_read"] == 12  # the train split, read to its end
     assert trainer.eval_dataset.stats(log=False)["samples"] == 4  # the test split, every row
     assert len([h for h in trainer.state.log_history if "eval_loss" in h]) == 2
+    with pytest.raises(train.SettingError, match=r"^set dataset_path \(local files\) or dataset_name .*, not both"):
+        train.main(
+            [
+                str(RECIPES / "configs/tiny_cpu.yaml"),
+                *("--model_name_or_path", str(tmp_path / "no-model"), "--dataset_name", str(saved)),
+                *("--dataset_path", str(tmp_path / "data" / "train.jsonl"), "--output_dir", str(tmp_path / "o")),
+            ]
+        )
     with pytest.raises(train.SettingError, match=r"^dataset_test_split='validation' is not a split of .*'test'"):
         train.main(
             [
@@ -530,7 +538,11 @@ def test_a_llama_factory_yaml_names_each_key_with_its_equivalent_in_one_error(tr
     assert packing.videos_kwargs == {"max_pixels": 16384} and args.warmup_steps == 0.1
     # a key that is neither ours nor LLaMA-Factory's is still named as unknown, beside them
     path.write_text(LLAMA_FACTORY_YAML + "learnin_rate: 1.0\n")
-    with pytest.raises(ValueError, match=r"^unknown keys in the config file: \['learnin_rate'\]\. LLaMA-Factory"):
+    with pytest.raises(
+        ValueError,
+        match=r"^unknown keys in the config file: \['learnin_rate'\] \(closest: learnin_rate -> learning_rate\?\)\. "
+        "LLaMA-Factory keys",
+    ):
         train.parse_args([str(path)])
 
 
