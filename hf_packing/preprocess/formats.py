@@ -410,7 +410,8 @@ NESTED_FRAMES_HINT = "a video's frames go in a nested list, one list per video (
 
 def is_frame_path(ref: Any) -> bool:
     """Whether `ref` is a path naming a still image (by its suffix), which a video reference never should be."""
-    return isinstance(ref, (str, os.PathLike)) and os.fspath(ref).lower().endswith(FRAME_SUFFIXES)
+    path = os.fspath(ref) if isinstance(ref, (str, os.PathLike)) else None
+    return isinstance(path, str) and path.lower().endswith(FRAME_SUFFIXES)
 
 
 def check_video_frames(videos: Sequence[Any], tags: int) -> None:
