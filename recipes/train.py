@@ -4,12 +4,13 @@
     python recipes/train.py recipes/configs/qwen2_5_vl_3b.yaml --max_steps 100    # flags after it override it
     accelerate launch --config_file recipes/accelerate/fsdp2.yaml recipes/train.py recipes/configs/qwen2_5_vl_7b.yaml
     python recipes/train.py --model_name_or_path ... --dataset_path data.jsonl --output_dir out ...   # flags only
+    python recipes/train.py CONFIG --dataset_name org/name --dataset_config c   # TRL's names: a Hub id or local dir
 
-Pipeline: local dataset(s) → `pack_dataset` (one pack = one micro-batch, rank-equal) → `VisionCollator`
-→ a model patched by `apply_rmpad` before it is loaded → Trainer, with `PackingTelemetry` in front of the
-reporting callbacks. Evaluation (``eval_dataset_path`` or ``eval_split``, with ``eval_strategy``) packs the eval rows
-the same way and reports a token-level ``eval_loss`` and ``eval_token_accuracy``. See recipes/README.md for launch
-lines, FSDP2 / ZeRO notes and resuming.
+Pipeline: local files or a dataset by name → `pack_dataset` (one pack = one micro-batch, rank-equal) →
+`VisionCollator` → a model patched by `apply_rmpad` before it is loaded → Trainer, with `PackingTelemetry` in front of
+the reporting callbacks. Evaluation (``eval_dataset_path``, ``eval_split`` or dataset_name's test split, with
+``eval_strategy``) packs the eval rows the same way and reports a token-level ``eval_loss`` and
+``eval_token_accuracy``. See recipes/README.md for launch lines, FSDP2 / ZeRO notes and resuming.
 """
 
 from __future__ import annotations
@@ -72,7 +73,24 @@ class DataArguments:
         default_factory=list,
         metadata={"help": "json/jsonl/parquet/arrow file(s), globs, dirs of them, or saved datasets dirs"},
     )
-    streaming: bool = field(default=False, metadata={"help": "read the data lazily (datasets streaming)"})
+    # TRL's ScriptArguments names and meanings (dataset_streaming is `streaming`'s alias)
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "a Hub dataset id (datasets.load_dataset; offline: from the cache) or a local dataset directory "
+            "(save_to_disk, or data files); instead of dataset_path"
+        },
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "dataset_name's configuration (subset)"})
+    dataset_train_split: str = field(default="train", metadata={"help": "dataset_name's split to train on"})
+    dataset_test_split: str = field(
+        default="test",
+        metadata={"help": "dataset_name's split to evaluate on (with eval_strategy, unless eval_split / eval files)"},
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={"help": "read the data lazily (datasets streaming)", "aliases": ["--dataset_streaming"]},
+    )
     shuffle_seed: int | None = field(default=None, metadata={"help": "shuffle rows first (pack_dataset does not)"})
     eval_dataset_path: list[str] = field(
         default_factory=list, metadata={"help": "eval file(s) or saved datasets dirs, read like dataset_path"}
@@ -93,6 +111,90 @@ _RENAMED = {
     "activation_checkpointing": "gradient_checkpointing",
     "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
 }
+
+
+#: LLaMA-Factory's YAML keys (its hparams/*_args.py) that are not settings here, and what to write instead. None is
+#: taken as an alias: each differs somewhere (LLaMA-Factory's val_size splits the mixed data, media_dir defaults to
+#: dataset_dir, cutoff_len cuts where max_length drops), so the user rewrites the line knowingly.
+LLAMA_FACTORY_KEYS = {
+    "cutoff_len": "max_length (the token budget of a pack; a longer sample is dropped or cut: on_overlong)",
+    "dataset": "dataset_path (local files or saved datasets dirs) or dataset_name (a Hub id or dataset directory); "
+    "names from LLaMA-Factory's dataset_info.json are not read",
+    "dataset_dir": "dataset_path (its files or directories) or dataset_name",
+    "eval_dataset": "eval_dataset_path (or dataset_test_split of dataset_name)",
+    "val_size": "eval_split (< 1 a fraction, >= 1 a count, held out of each dataset_path)",
+    "media_dir": "media_root",
+    "finetuning_type": "use_lora: true for 'lora' (omit it for 'full'; freeze_vision_tower: true freezes the ViT)",
+    "lora_rank": "lora_r",
+    "lora_target": "lora_target_modules (a regex or comma-separated module names; default: the LM's linears, "
+    "as 'all' minus the vision tower)",
+    "template": "nothing: every row is rendered by the checkpoint's own chat template (remove it)",
+    "stage": "nothing: train.py does SFT (remove it)",
+    "packing": "nothing: packing is always on (remove it)",
+    "neat_packing": "nothing: packed samples never attend to each other (remove it)",
+    "interleave_probs": "weights (one per dataset_path)",
+    "mix_strategy": "stopping_strategy",
+    "train_on_prompt": "train_on: all",
+    "preprocessing_num_workers": "index_num_proc",
+    "flash_attn": "attn_backend (auto | flash_attn | torch_varlen | reference)",
+    "image_max_pixels": "the processor's max_pixels: save a processor loaded with max_pixels=N and set "
+    "processor_name_or_path to it (max_image_pixels is a different setting: the size above which an image is skipped)",
+    "image_min_pixels": "the processor's min_pixels, as image_max_pixels",
+    "video_max_pixels": 'videos_kwargs: {"max_pixels": N}',
+    "video_min_pixels": 'videos_kwargs: {"min_pixels": N}',
+    "video_fps": 'videos_kwargs: {"fps": N}',
+    "video_maxlen": 'videos_kwargs: {"max_frames": N}',
+    "warmup_ratio": "warmup_steps (a float below 1 is a ratio of the run)",
+    "max_samples": "nothing here: select the rows first (remove it)",
+    "overwrite_cache": "nothing here (remove it)",
+    "overwrite_output_dir": "nothing here (remove it)",
+    "plot_loss": "nothing here (remove it); `hf-packing plot` draws a run's curves",
+    "trust_remote_code": "nothing here (remove it)",
+    "tokenized_path": "nothing here (remove it): rows are tokenised in the DataLoader workers",
+    "mask_history": "nothing here (remove it): every assistant turn is supervised",
+    "enable_liger_kernel": "use_liger",
+    "disable_gradient_checkpointing": "gradient_checkpointing: false",
+    "freeze_multi_modal_projector": "nothing: freeze_vision_tower freezes the ViT with its merger (the projector)",
+    "compute_accuracy": "nothing: evaluation always reports eval_token_accuracy (remove it)",
+    "quantization_bit": "nothing: no quantized (QLoRA) training here (remove it)",
+    "adapter_name_or_path": "nothing: train.py starts new adapters (remove it)",
+}
+#: LLaMA-Factory's defaults that differ from this recipe's, for the keys a LLaMA-Factory file usually leaves out
+LLAMA_FACTORY_DEFAULTS = (
+    "defaults that differ: LLaMA-Factory trains LoRA unless told otherwise, this recipe all weights unless use_lora: "
+    "true; freeze_vision_tower is true there, false here; lora_alpha is 2 x lora_rank there, 128 here; lora_dropout "
+    "is 0 there, 0.05 here"
+)
+#: settings named as in LLaMA-Factory whose meaning differs here
+LLAMA_FACTORY_SAME_NAME = {
+    "buffer_size": "buffer_size here is the packer's planning window in rows, not a streaming shuffle buffer "
+    "(shuffle_seed shuffles the rows)",
+}
+
+
+def unknown_keys_message(unknown: list[str], given: Any, known: Any) -> str:
+    """The error for `unknown` keys of a config file (`given`: all its keys; `known`: the settings): LLaMA-Factory's
+    keys each with the setting to write instead, the rest with the closest settings' names."""
+    lf = [k for k in unknown if k in LLAMA_FACTORY_KEYS]
+    other = [k for k in unknown if k not in LLAMA_FACTORY_KEYS]
+    parts = []
+    if other:
+        near = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in other}
+        hint = ", ".join(f"{k} -> {m[0]}?" for k, m in near.items() if m)
+        parts.append(f"unknown keys in the config file: {other}" + (f" (closest: {hint})" if hint else ""))
+    if lf:
+        notes = [f"{k} -> {LLAMA_FACTORY_KEYS[k]}" for k in lf]
+        notes += [note for k, note in LLAMA_FACTORY_SAME_NAME.items() if k in given]
+        notes.append(LLAMA_FACTORY_DEFAULTS)
+        parts.append(
+            f"LLaMA-Factory keys in the config file, and what to write instead: {'; '.join(notes)} "
+            "(docs/recipes.md, 'From LLaMA-Factory')"
+        )
+    return ". ".join(parts)
+
+
+#: settings that stand for each other: a command-line flag for one drops the other's value from the YAML
+_ALTERNATIVES = (("dataset_path", "dataset_name"),)
 
 
 def parse_args(
@@ -116,7 +218,12 @@ def parse_args(
         config = {aliases.get(key, key): value for key, value in config.items()}
         unknown = sorted(set(config) - known)
         if unknown:
-            raise ValueError(f"unknown keys in the config file: {unknown}")
+            raise SettingError(unknown_keys_message(unknown, config, known))
+        flags = {arg.split("=")[0].lstrip("-").replace("-", "_") for arg in argv if arg.startswith("--")}
+        for pair in _ALTERNATIVES:  # `--dataset_name X` after a YAML with dataset_path trains on X alone
+            for a, b in (pair, pair[::-1]):
+                if a in flags and b not in flags:
+                    config.pop(b, None)
         parser.set_defaults(**config)
         for action in parser._actions:  # a value from the YAML satisfies a required flag
             action.required = action.required and action.dest not in config
@@ -145,7 +252,7 @@ def prepare_training_args(args: TrainingArguments) -> TrainingArguments:
     # vision_inputs too); from pinned memory the batch's host-to-device copies can run without the host waiting.
     args.accelerator_config.non_blocking = bool(args.dataloader_pin_memory)
     if args.max_steps <= 0:
-        raise ValueError("set max_steps: a packed stream has no length, so num_train_epochs cannot define the run")
+        raise SettingError("set max_steps: a packed stream has no length, so num_train_epochs cannot define the run")
     return args
 
 
@@ -175,6 +282,54 @@ def load_one(path: str, *, streaming: bool) -> Any:
     from hf_packing.packing.readers import load_local
 
     return load_local(path, streaming=streaming)
+
+
+def load_named(data_args: DataArguments, split_setting: str) -> Any:
+    """The split named by ``split_setting`` (``dataset_train_split`` / ``dataset_test_split``) of ``dataset_name``, as
+    TRL's scripts load it: a ``save_to_disk`` directory with ``load_from_disk`` (a saved `Dataset` is its train split),
+    else ``datasets.load_dataset(dataset_name, dataset_config)`` (a local directory of data files, or a Hub id: from the
+    cache when offline). A name that cannot be loaded, a missing split or config is a `SettingError` naming the
+    setting and what to do."""
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError
+
+    name, config, split = data_args.dataset_name, data_args.dataset_config, getattr(data_args, split_setting)
+    assert name is not None
+    path = Path(name)
+    if path.is_file():
+        raise SettingError(f"dataset_name: {name!r} is a file; data files go in dataset_path (or their directory here)")
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        found = datasets.load_from_disk(str(path))
+        if isinstance(found, datasets.Dataset):  # one saved split, no name: it trains
+            if split_setting != "dataset_train_split":
+                raise SettingError(
+                    f"{split_setting}={split!r}: dataset_name {name!r} is a saved Dataset (one split, for training); "
+                    "save a DatasetDict, or set eval_split or eval_dataset_path"
+                )
+            found = datasets.DatasetDict({split: found})
+    else:
+        try:
+            found = datasets.load_dataset(name, config, streaming=data_args.streaming)
+        except (ConnectionError, FileNotFoundError, DatasetNotFoundError) as err:
+            why = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if path.is_dir():
+                raise SettingError(
+                    f"dataset_name: {name!r} is a directory that datasets cannot read as a dataset ({why}); give a "
+                    "save_to_disk directory or one of data files (json/jsonl/parquet/arrow, or an image folder)"
+                ) from None
+            raise SettingError(
+                f"dataset_name: {name!r} is not a local dataset directory and cannot be loaded ({why}); download it "
+                "once with network access (it is then read from the cache offline), or pass a local directory "
+                "(save_to_disk or data files) as dataset_name, or files as dataset_path"
+            ) from None
+        except ValueError as err:
+            if config is None or "config" not in str(err).lower():
+                raise
+            raise SettingError(f"dataset_config={config!r} is not a configuration of {name!r}: {err}") from None
+    if split not in found:
+        raise SettingError(f"{split_setting}={split!r} is not a split of {name!r} (splits: {sorted(found)})")
+    ds = found[split]
+    return ds.to_iterable_dataset() if data_args.streaming and isinstance(ds, datasets.Dataset) else ds
 
 
 #: PackingConfig settings that take one value per source
@@ -293,25 +448,36 @@ def main(argv: list[str] | None = None) -> Trainer:
     model_args, data_args, packing, training_args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)
     training_args = prepare_training_args(training_args)
-    if not data_args.dataset_path:
-        raise SettingError("set dataset_path (one or more local files / saved datasets dirs)")
+    if data_args.dataset_path and data_args.dataset_name:
+        raise SettingError("set dataset_path (local files) or dataset_name (a Hub id or dataset directory), not both")
+    if not data_args.dataset_path and not data_args.dataset_name:
+        raise SettingError(
+            "set dataset_name (a Hub id or local dataset directory) or dataset_path (local files / saved datasets dirs)"
+        )
     check_data_paths(data_args)  # a mistyped path fails here, before anything loads
+    names = data_args.dataset_path or [data_args.dataset_name]
     weights = packing.weights
-    if isinstance(weights, (list, dict)) and len(weights) != len(data_args.dataset_path):
-        raise SettingError(f"{len(weights)} weights for {len(data_args.dataset_path)} dataset_path entries")
+    if isinstance(weights, (list, dict)) and len(weights) != len(names):
+        raise SettingError(f"{len(weights)} weights for {len(names)} dataset_path entries")
 
-    processor = AutoProcessor.from_pretrained(model_args.processor_name_or_path or model_args.model_name_or_path)
-    sources = {}
-    for i, path in enumerate(data_args.dataset_path):  # name -> rows; pack_dataset mixes a dict by `weights`
-        ds = load_one(path, streaming=data_args.streaming)
+    sources = {}  # name -> rows; pack_dataset mixes a dict by `weights`
+    for i, path in enumerate(names):
+        ds = (
+            load_named(data_args, "dataset_train_split")
+            if data_args.dataset_name
+            else load_one(path, streaming=data_args.streaming)
+        )
         if data_args.shuffle_seed is not None:
             ds = ds.shuffle(seed=data_args.shuffle_seed)
         sources[f"{i}:{Path(path).stem}"] = ds
     held_out = eval_sources(sources, data_args, seed=training_args.seed)
+    if not held_out and data_args.dataset_name and training_args.eval_strategy != "no":  # TRL: the test split
+        held_out = {f"eval:{data_args.dataset_test_split}": load_named(data_args, "dataset_test_split")}
     if not held_out and training_args.eval_strategy != "no":
-        raise ValueError(
+        raise SettingError(
             f"eval_strategy={training_args.eval_strategy.value!r} needs eval data: set eval_dataset_path or eval_split"
         )
+    processor = AutoProcessor.from_pretrained(model_args.processor_name_or_path or model_args.model_name_or_path)
     pack = partial(
         pack_dataset,
         processor=processor,

@@ -90,7 +90,7 @@ def check_train_args(train, args: list[str]) -> None:
     """train.py's parser and settings checks on `args` (a YAML first, or flags); ``--use_cpu`` added, as bf16 needs a
     GPU to validate."""
     _, data, packing, training = train.parse_args([*args, "--use_cpu"])
-    assert data.dataset_path, args
+    assert data.dataset_path or data.dataset_name, args
     train.prepare_training_args(training)
 
 

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
@@ -349,6 +350,200 @@ def test_a_mistyped_dataset_path_is_a_setting_error_naming_it(train, tmp_path):
         train.main([*base, "--dataset_path", str(real), "--eval_dataset_path", str(tmp_path / "nothing*.jsonl")])
     assert issubclass(train.SettingError, ValueError)
     assert "except SettingError" in (RECIPES / "train.py").read_text()
+
+
+# ------------------------------------------------------------------------------------------ datasets by name
+def saved_llava_splits(tmp_path: Path) -> Path:
+    """write_llava_jsonl's 16 rows as a saved DatasetDict: 12 in ``train``, 4 in ``test``."""
+    import datasets
+
+    rows = datasets.load_dataset("json", data_files=str(write_llava_jsonl(tmp_path / "data")), split="train")
+    splits = datasets.DatasetDict({"train": rows.select(range(12)), "test": rows.select(range(12, 16))})
+    splits.save_to_disk(str(tmp_path / "saved"))
+    return tmp_path / "saved"
+
+
+def test_dataset_name_trains_from_a_local_dataset_directory_offline(train, tmp_path, monkeypatch):
+    """TRL's `--dataset_name` on a saved DatasetDict, offline: the flag replaces the YAML's dataset_path, the train
+    split trains and, with eval_strategy on and no eval_split, the test split is evaluated, row for row."""
+    from hf_packing.testing.tiny import save_tiny_checkpoint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    model_dir = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
+    saved = saved_llava_splits(tmp_path)
+    trainer = train.main(
+        [
+            str(RECIPES / "configs/tiny_cpu.yaml"),  # dataset_path: [data/tiny.jsonl], which does not exist here
+            *("--model_name_or_path", str(model_dir), "--dataset_name", str(saved), "--eval_split", "0"),
+            *("--image_root", str(tmp_path / "data" / "images"), "--output_dir", str(tmp_path / "out")),
+        ]
+    )
+    assert trainer.state.global_step == 2
+    assert trainer.train_dataset.stats(log=False)["rows_read"] == 12  # the train split, read to its end
+    assert trainer.eval_dataset.stats(log=False)["samples"] == 4  # the test split, every row
+    assert len([h for h in trainer.state.log_history if "eval_loss" in h]) == 2
+    with pytest.raises(train.SettingError, match=r"^set dataset_path \(local files\) or dataset_name .*, not both"):
+        train.main(
+            [
+                str(RECIPES / "configs/tiny_cpu.yaml"),
+                *("--model_name_or_path", str(tmp_path / "no-model"), "--dataset_name", str(saved)),
+                *("--dataset_path", str(tmp_path / "data" / "train.jsonl"), "--output_dir", str(tmp_path / "o")),
+            ]
+        )
+    with pytest.raises(train.SettingError, match=r"^dataset_test_split='validation' is not a split of .*'test'"):
+        train.main(
+            [
+                str(RECIPES / "configs/tiny_cpu.yaml"),
+                *("--model_name_or_path", str(tmp_path / "no-model"), "--dataset_name", str(saved)),
+                *("--eval_split", "0", "--dataset_test_split", "validation", "--output_dir", str(tmp_path / "o")),
+            ]
+        )
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_dataset_name_reads_a_directory_of_data_files_by_split(train, tmp_path, streaming):
+    """A Hub-style directory (data/train-*.parquet, data/test-*.parquet) by name: each split's own rows, as
+    `datasets.load_dataset` reads them; a config it does not have is a SettingError naming dataset_config."""
+    import datasets
+
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    for split, n in (("train", 5), ("test", 2)):
+        rows = [{"messages": [{"role": "user", "content": f"{split} {i}"}]} for i in range(n)]
+        datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "hub" / "data" / f"{split}-00000.parquet"))
+    args = train.DataArguments(dataset_name=str(tmp_path / "hub"), streaming=streaming)
+    for setting, n in (("dataset_train_split", 5), ("dataset_test_split", 2)):
+        ds = train.load_named(args, setting)
+        assert isinstance(ds, datasets.IterableDataset) == streaming
+        assert [r["messages"][0]["content"] for r in ds] == [f"{setting.split('_')[1]} {i}" for i in range(n)]
+    args.dataset_config = "nope"
+    with pytest.raises(train.SettingError, match=r"^dataset_config='nope' is not a configuration of"):
+        train.load_named(args, "dataset_train_split")
+    # a saved DatasetDict streams too; a directory without data and a data file are named as what they are
+    saved = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"messages": []}] * 3)})
+    saved.save_to_disk(str(tmp_path / "saved"))
+    ds = train.load_named(
+        train.DataArguments(dataset_name=str(tmp_path / "saved"), streaming=streaming), "dataset_train_split"
+    )
+    assert isinstance(ds, datasets.IterableDataset) == streaming and len(list(ds)) == 3
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(train.SettingError, match=r"^dataset_name: '.*empty' is a directory that datasets cannot read"):
+        train.load_named(train.DataArguments(dataset_name=str(tmp_path / "empty")), "dataset_train_split")
+    parquet = str(tmp_path / "hub" / "data" / "test-00000.parquet")
+    with pytest.raises(train.SettingError, match=r"is a file; data files go in dataset_path"):
+        train.load_named(train.DataArguments(dataset_name=parquet), "dataset_train_split")
+
+
+def test_a_dataset_name_not_in_the_cache_fails_offline_in_one_line_naming_it(tmp_path):
+    """Run as a script, offline: a Hub id that is not cached is one line on stderr naming it and what to do, exit
+    status 1, before any model loads (the model path does not exist either)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env["PYTHONPATH"] = os.pathsep.join([str(RECIPES.parent), env.get("PYTHONPATH", "")])
+    args = ["--model_name_or_path", str(tmp_path / "no-model"), "--dataset_name", "someone/no-such-dataset"]
+    done = subprocess.run(
+        [sys.executable, str(RECIPES / "train.py"), str(RECIPES / "configs/tiny_cpu.yaml"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[0].startswith("train.py: dataset_name: 'someone/no-such-dataset' is not a local dataset directory")
+    assert "download it once with network access" in lines[0]
+
+
+# ------------------------------------------------------------------------------------------ LLaMA-Factory configs
+LLAMA_FACTORY_YAML = """\
+### model
+model_name_or_path: Qwen/Qwen2.5-VL-7B-Instruct
+image_max_pixels: 262144
+video_max_pixels: 16384
+trust_remote_code: true
+
+### method
+stage: sft
+do_train: true
+finetuning_type: lora
+lora_rank: 8
+lora_target: all
+
+### dataset
+dataset: mllm_demo,identity
+template: qwen2_vl
+cutoff_len: 2048
+max_samples: 1000
+overwrite_cache: true
+preprocessing_num_workers: 16
+buffer_size: 16384
+
+### output
+output_dir: saves/qwen2_5vl-7b/lora/sft
+logging_steps: 10
+save_steps: 500
+plot_loss: true
+overwrite_output_dir: true
+
+### train
+per_device_train_batch_size: 1
+gradient_accumulation_steps: 8
+learning_rate: 1.0e-4
+num_train_epochs: 3.0
+lr_scheduler_type: cosine
+warmup_ratio: 0.1
+bf16: true
+ddp_timeout: 180000000
+val_size: 0.1
+"""
+
+
+def test_a_llama_factory_yaml_names_each_key_with_its_equivalent_in_one_error(train, tmp_path):
+    """LLaMA-Factory's Qwen2.5-VL LoRA example as written: one ValueError (no argparse traceback) that names every
+    key this parser lacks with the setting to write instead; the rewritten file parses into those settings."""
+    path = tmp_path / "lf.yaml"
+    path.write_text(LLAMA_FACTORY_YAML)
+    with pytest.raises(train.SettingError) as err:  # run as a script: this one line, no traceback
+        train.parse_args([str(path)])
+    message = str(err.value)
+    for key, equivalent in (
+        ("cutoff_len", "max_length"),
+        ("dataset", "dataset_path"),
+        ("finetuning_type", "use_lora: true"),
+        ("lora_rank", "lora_r"),
+        ("lora_target", "lora_target_modules"),
+        ("val_size", "eval_split"),
+        ("warmup_ratio", "warmup_steps"),
+        ("video_max_pixels", "videos_kwargs"),
+        ("preprocessing_num_workers", "index_num_proc"),
+    ):
+        assert f"{key} -> {equivalent}" in message, key
+    for key in ("image_max_pixels", "trust_remote_code", "stage", "template", "max_samples", "plot_loss"):
+        assert f"{key} -> " in message, key
+    assert "buffer_size here is the packer's planning window" in message  # same name, another meaning
+    assert "freeze_vision_tower is true there, false here; lora_alpha is 2 x lora_rank there" in message
+    assert "unknown keys in the config file" not in message  # every unknown key is LLaMA-Factory's
+    assert message.count("\n") == 0
+    rewritten = tmp_path / "ours.yaml"  # each line rewritten as the message says
+    rewritten.write_text(
+        "model_name_or_path: Qwen/Qwen2.5-VL-7B-Instruct\nuse_lora: true\nlora_r: 8\n"
+        "dataset_path: [data/mllm_demo.json]\nmax_length: 2048\neval_split: 0.1\nwarmup_steps: 0.1\n"
+        'videos_kwargs: {"max_pixels": 16384}\nindex_num_proc: 16\noutput_dir: out\nmax_steps: 10\n'
+        "per_device_train_batch_size: 1\ngradient_accumulation_steps: 8\nlearning_rate: 1.0e-4\n"
+        "lr_scheduler_type: cosine\nddp_timeout: 180000000\ndo_train: true\n"
+    )
+    model_args, data_args, packing, args = train.parse_args([str(rewritten), "--use_cpu"])
+    assert (model_args.use_lora, model_args.lora_r, packing.max_length, data_args.eval_split) == (True, 8, 2048, 0.1)
+    assert packing.videos_kwargs == {"max_pixels": 16384} and args.warmup_steps == 0.1
+    # a key that is neither ours nor LLaMA-Factory's is still named as unknown, beside them
+    path.write_text(LLAMA_FACTORY_YAML + "learnin_rate: 1.0\n")
+    with pytest.raises(
+        ValueError,
+        match=r"^unknown keys in the config file: \['learnin_rate'\] \(closest: learnin_rate -> learning_rate\?\)\. "
+        "LLaMA-Factory keys",
+    ):
+        train.parse_args([str(path)])
 
 
 @pytest.mark.parametrize("mode", ["rows", "flat"])

@@ -155,3 +155,98 @@ def test_two_processes_stop_at_the_same_row(tmp_path):
     assert results[0]["steps"] == results[1]["steps"] > 0
     for result in results:
         assert "skipped 180 of the 200 rows read so far" in result["error"] and "media_root=None" in result["error"]
+
+
+# ------------------------------------------------------------------------------------------ hints that name the fix
+def only_error(ds, processor, **kw) -> str:
+    """The end-of-pass `NoSamplesError` of a source whose rows are all skipped (never the skip budget's error)."""
+    with pytest.raises(NoSamplesError) as err:
+        list(make(ds, processor, max_skipped_fraction=1.0, **kw))
+    assert type(err.value) is NoSamplesError
+    return str(err.value)
+
+
+def test_images_all_over_max_length_end_with_the_max_length_hint_and_the_real_numbers(processor, tmp_path):
+    """The user trial: every image is larger than max_length. The error names max_length and on_overlong with the
+    longest sample's tokens as the processor counts them (the oracle: the processor on the file), never media_root or
+    the row format; with truncate_text (which never cuts an image) it names max_length alone."""
+    sizes = [(448, 448), (560, 448), (448, 336)]
+    for i, size in enumerate(sizes):
+        image(*size, seed=i).save(tmp_path / f"{i}.png")
+    rows = [row(i, f"{i}.png") for i in range(len(sizes))]
+    longest = 0
+    for i, r in enumerate(rows):
+        turns = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Question {i}?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": r["conversations"][1]["value"]}]},
+        ]
+        text = processor.apply_chat_template(turns)
+        longest = max(longest, len(processor(text=[text], images=[image(*sizes[i], seed=i)]).input_ids[0]))
+    message = only_error(Dataset.from_list(rows), processor, max_length=128, media_root=str(tmp_path))
+    assert message.startswith("the dataset yielded 0 of 3 rows: 3 overlong")
+    assert f"the longest has {longest:,} tokens > max_length=128: raise max_length or set on_overlong=" in message
+    assert "media_root" not in message and "row_format" not in message
+    cut = only_error(
+        Dataset.from_list(rows), processor, max_length=128, media_root=str(tmp_path), on_overlong="truncate_text"
+    )
+    assert (
+        "3 overlong_vision" in cut
+        and "do not fit max_length=128 (truncate_text never cuts an image): raise max_length" in cut
+    )
+    assert "media_root" not in cut
+
+
+def test_an_overlong_skip_without_a_count_prints_no_placeholder_number(processor):
+    """truncate_text where the first max_length tokens hold no answer: "overlong" without a token count. The hint
+    says what to change without a number it does not have ("the longest has ? tokens" before)."""
+    rows = [
+        {"messages": [{"role": "user", "content": "Question " * 60}, {"role": "assistant", "content": f"{i} words"}]}
+        for i in range(3)
+    ]
+    message = only_error(Dataset.from_list(rows), processor, max_length=40, on_overlong="truncate_text")
+    assert "3 overlong" in message and "nothing supervised within the first max_length=40 tokens" in message
+    assert "no supervised token lies within the first max_length=40 tokens: raise max_length" in message
+    assert "? tokens" not in message and "truncate_text'" not in message.split("first max_length=40 tokens;")[1]
+    # the skip budget's error words it the same way
+    with pytest.raises(TooManySkipsError) as err:
+        list(make(Dataset.from_list(rows * 70), processor, max_length=40, on_overlong="truncate_text"))
+    assert "? tokens" not in str(err.value) and "no supervised token lies within" in str(err.value)
+
+
+def test_missing_media_ends_with_the_media_root_hint(processor, tmp_path):
+    message = only_error(Dataset.from_list([row(i, f"coco/{i}.jpg") for i in range(3)]), processor)
+    assert message.startswith("the dataset yielded 0 of 3 rows: 3 missing_file. missing_file (first: row 0, image file")
+    assert "set media_root" in message and "max_length" not in message
+
+
+def test_a_tag_media_mismatch_ends_with_the_row_format_hint(processor, tmp_path):
+    image(56, 56).save(tmp_path / "a.png")
+    rows = [{**row(i, "a.png"), "image": ["a.png", "a.png"]} for i in range(3)]  # two images, one <image> tag
+    message = only_error(Dataset.from_list(rows), processor, media_root=str(tmp_path))
+    assert "3 placeholder_mismatch" in message and "1 image / 0 video tags but 2 images / 0 videos" in message
+    assert "each image/video needs exactly one tag in the text" in message and "row_format='llava'" in message
+    assert "media_root" not in message
+
+
+def test_a_video_given_as_a_flat_list_of_frames_is_told_to_nest_them(tmp_path):
+    """A video's frames given flat (`videos: [f0, f1, f2, f3]`, as one would list images) is a skip whose reason
+    says to nest them, whether the frames outnumber the video tags or one frame stands for the video; nested, the same
+    row packs with nothing skipped (the positive control)."""
+    processor = load_processor("qwen2_5_vl")
+    frames = [f"f{i}.png" for i in range(4)]
+    for i, name in enumerate(frames):
+        image(64, 48, seed=i).save(tmp_path / name)
+
+    def video_row(videos):
+        turns = [
+            {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "It rains."}]},
+        ]
+        return {"messages": turns, "videos": videos, "fps": 2.0}
+
+    kw = {"media_root": str(tmp_path), "max_length": 1024}
+    for videos, reason in ((frames, "placeholder_mismatch"), (frames[:1], "bad_row")):
+        message = only_error(Dataset.from_list([video_row(videos)] * 2), processor, **kw)
+        assert f"2 {reason}" in message and "a video's frames go in a nested list" in message, message
+    nested = make(Dataset.from_list([video_row([frames])] * 2), processor, **kw)
+    assert sum(len(pack) for pack in nested) == 2 and nested.stats(log=False)["skipped"] == {}

@@ -113,7 +113,10 @@ class Replica:
             n: {
                 "media_root": None if p.images.image_root is None else str(p.images.image_root),
                 "row_format": p.row_format,
-                **{k: getattr(cfg, k) for k in ("max_length", "max_images", "max_vision_patches")},
+                **{
+                    k: getattr(cfg, k)
+                    for k in ("max_length", "max_images", "max_vision_patches", "on_overlong", "max_image_pixels")
+                },
             }
             for n, p in self.preprocessors.items()
         }
@@ -171,14 +174,18 @@ class Replica:
                 if packs:
                     yield from self._assign_groups(packs, process)
         # every row is read: the skip checks come before the last packs are yielded (a short run ends on those)
-        check_yield(self.stats, groups=None, world=self.world)
+        check_yield(self.stats, groups=None, world=self.world, **self._hints())
         for source in self.stats.sources:
             self._check_skips(source, min_rows=0)
         yield from self._assign_groups(self.planner.flush(), process, final=True, spread=self.cfg.leftovers == "spread")
         self.stats.leftover_packs = len(self.unassigned)
         self.stats.leftover_samples = sum(len(p) for p in self.unassigned)
         self.stats.complete = 1
-        check_yield(self.stats, groups=self.next_group, world=self.world)
+        check_yield(self.stats, groups=self.next_group, world=self.world, **self._hints())
+
+    def _hints(self) -> dict[str, Any]:
+        """What `check_yield` words its hints with: the first row of each skip reason, the settings, the longest."""
+        return {"examples": self.skip_examples, "settings": self.settings, "longest": self.longest}
 
     def _keep(self, index: int, row: dict[str, Any], *, count: bool) -> SampleMeta | None:
         """Holds a row for planning and returns its metadata, or `None` when it is skipped (counted if `count`)."""

@@ -26,6 +26,7 @@ __all__ = [
     "check_yield",
     "pack_stats",
     "padded_fill_at_batch",
+    "skip_hint",
 ]
 
 #: the baseline every fill is compared with: the same samples in padded batches of 8, in input order
@@ -196,14 +197,13 @@ class TooManySkipsError(NoSamplesError):
     """A source skipped more than `max_skipped_fraction` of its rows: training would run on what is left of it."""
 
 
-#: what to change, per skip reason, in a [`TooManySkipsError`]; `{...}` are the source's settings and `longest`
+#: what to change, per skip reason, in a [`NoSamplesError`] / [`TooManySkipsError`]; `{...}` are the source's settings
+#: (see [`skip_hint`]: "overlong" is worded there, with the longest sample's tokens when they are known)
 SKIP_HINTS = {
     "missing_file": "relative paths resolve under media_root={media_root!r}: set media_root (one, a list or "
-    "{{source: root}}) to the directory the rows' paths start from",
+    "{{source: root}}) to the directory the rows' paths start from (video_root for videos, if elsewhere)",
     "path_outside_root": "every file must lie under media_root={media_root!r} (no `..`, absolute paths or symlinks "
     "out): point media_root at their common root",
-    "overlong": "the longest has {longest} tokens > max_length={max_length}: raise max_length or set "
-    "on_overlong='truncate_text'",
     "overlong_vision": "its vision tokens do not fit max_length={max_length} (truncate_text never cuts an image): "
     "raise max_length",
     "too_many_images": "max_images=None leaves the packs' vision work to max_vision_patches",
@@ -213,6 +213,16 @@ SKIP_HINTS = {
     "row_format={row_format!r}",
     "empty_conversation": "check row_format={row_format!r} against the rows' columns (docs/row_formats.md)",
     "bad_row": "check row_format={row_format!r} against the rows' columns (docs/row_formats.md)",
+    "image_too_large": "raise max_image_pixels={max_image_pixels:,} (memory grows with it) or downscale the images",
+    "video_too_large": "frames are larger than max_image_pixels={max_image_pixels:,}: raise it or downscale them",
+    "corrupt_image": "the image files cannot be decoded: re-encode or drop them",
+    "corrupt_video": "the video files cannot be decoded (check them with ffprobe): re-encode them, or give the "
+    "frames as a nested list per video",
+    "empty_image": "the image files are empty: re-export them",
+    "empty_video": "the videos have no frames to sample: re-export them, or check videos_kwargs",
+    "fetch_failed": "every training host must reach the URLs: check them, or raise media_timeout / media_tries / "
+    "media_max_bytes",
+    "bad_data_uri": "a data URI is data:<mime>;base64,<payload>: re-encode the rows' data URIs",
 }
 _TOKENS = re.compile(r"^([\d,]+) tokens > max_length")
 
@@ -221,6 +231,39 @@ def overlong_tokens(message: str) -> int | None:
     """The token count of an `overlong` skip's message ("9,312 tokens > max_length=8192 ..."), else `None`."""
     found = _TOKENS.match(message)
     return int(found.group(1).replace(",", "")) if found else None
+
+
+def skip_hint(reason: str, settings: dict[str, Any], longest: int | None = None) -> str:
+    """What to change for rows skipped for `reason`, with the source's `settings` (`max_length`, `media_root`,
+    `row_format`, `on_overlong`, ...) and, for "overlong", the `longest` sample's tokens when a skip reported them (a
+    number is printed only when it is known)."""
+    if reason == "overlong":
+        max_length = settings.get("max_length")
+        if longest:
+            return (
+                f"the longest has {longest:,} tokens > max_length={max_length}: raise max_length or set "
+                "on_overlong='truncate_text'"
+            )
+        if settings.get("on_overlong") == "truncate_text":  # the one overlong skip that reports no count
+            return f"no supervised token lies within the first max_length={max_length} tokens: raise max_length"
+        return f"samples are longer than max_length={max_length}: raise max_length or set on_overlong='truncate_text'"
+    try:
+        return SKIP_HINTS[reason].format(**settings) if reason in SKIP_HINTS else "see docs/row_formats.md"
+    except (KeyError, ValueError):  # a setting the caller did not pass: the hint without numbers is still right
+        return "see docs/row_formats.md"
+
+
+def _why(
+    source: str | None,
+    reason: str,
+    examples: dict[tuple[str | None, str], tuple[Any, str]],
+    settings: dict[str, Any],
+    longest: int | None,
+) -> str:
+    """``"{reason} (first: row {i}, {message}; {hint})"``."""
+    index, message = examples.get((source, reason), (None, ""))
+    first = f"first: row {index}, {message}" if message else ""
+    return f"{reason} ({'; '.join(x for x in (first, skip_hint(reason, settings, longest)) if x)})"
 
 
 def check_skips(
@@ -236,7 +279,7 @@ def check_skips(
     """Raises [`TooManySkipsError`] when `source` has skipped more than `max_fraction` of the rows read of it while
     planning, once at least `min_rows` of them were read (0: at the end of a pass). The message names the top three
     reasons, each with its first row (`examples`: `(source, reason)` -> `(row, message)`) and a hint
-    ([`SKIP_HINTS`], filled with the source's `settings` and the `longest` overlong sample).
+    ([`skip_hint`], with the source's `settings` and the `longest` overlong sample).
 
     `stats` are the planning counters, the same on every replica, so every rank and worker raises at the same row and
     none waits in a collective.
@@ -248,14 +291,7 @@ def check_skips(
     skipped = sum(skips.values())
     if skipped <= max_fraction * rows:
         return
-    why = []
-    for reason, n in skips.most_common(3):
-        index, message = examples.get((source, reason), (None, ""))
-        first = f"first: row {index}, {message}" if message else ""
-        hint = SKIP_HINTS.get(reason, "see docs/row_formats.md").format(
-            **settings, longest=f"{longest:,}" if longest else "?"
-        )
-        why.append(f"{n} {reason} ({'; '.join(x for x in (first, hint) if x)})")
+    why = [f"{n} {_why(source, reason, examples, settings, longest)}" for reason, n in skips.most_common(3)]
     name = "the dataset" if source is None else f"source {source!r}"
     raise TooManySkipsError(
         f"{name} skipped {skipped} of the {rows} rows read so far ({skipped / rows:.0%} > max_skipped_fraction="
@@ -265,10 +301,22 @@ def check_skips(
 
 
 # ------------------------------------------------------------------------------------------------ empty sources
-def check_yield(stats: PackStats, *, groups: int | None, world: int) -> None:
+def check_yield(
+    stats: PackStats,
+    *,
+    groups: int | None,
+    world: int,
+    examples: dict[tuple[str | None, str], tuple[Any, str]] | None = None,
+    settings: dict[str | None, dict[str, Any]] | None = None,
+    longest: dict[str | None, int] | None = None,
+) -> None:
     """Raises [`NoSamplesError`] after a full planning pass that kept no sample of a source that had rows, or none at
     all, or planned packs but no complete group of `world` (every rank would train on nothing; not checked with
     `groups=None`, before the last packs are assigned).
+
+    The message gives each such source's top reasons and, for the first (the dominant one), its first row and the hint
+    that names what to change ([`skip_hint`], with `examples`: `(source, reason)` -> `(row, message)`, `settings`:
+    source -> its settings, `longest`: source -> its longest overlong sample).
 
     `stats` are the planning counters, the same on every replica, so every rank raises at the same point and none
     waits in a collective.
@@ -280,12 +328,15 @@ def check_yield(stats: PackStats, *, groups: int | None, world: int) -> None:
             continue
         skips = Counter({reason: n for (name, reason), n in stats.planning_skips.items() if name == source})
         why = ", ".join(f"{n} {reason}" for reason, n in skips.most_common(3)) or "it is empty"
+        if skips:  # the dominant reason's first row and what to change for it
+            ((top, _),) = skips.most_common(1)
+            own = (settings or {}).get(source, {})
+            why += ". " + _why(source, top, examples or {}, own, (longest or {}).get(source))
         failed.append(f"{'the dataset' if source is None else f'source {source!r}'} yielded 0 of {rows} rows: {why}")
-    if failed or not sum(stats.kept.values()):
-        raise NoSamplesError(
-            "; ".join(failed or ["no source yielded a sample"]) + ". Check each source's row format, "
-            "media_root / video_root and docs/row_formats.md (stats() counts every skip)"
-        )
+    if failed:
+        raise NoSamplesError("; ".join(failed) + ". stats() counts every skip")
+    if not sum(stats.kept.values()):
+        raise NoSamplesError("no source yielded a sample: every source is empty")
     if groups is not None and not groups:
         packs = stats.planned_packs
         raise NoSamplesError(

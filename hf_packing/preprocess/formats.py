@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -365,6 +366,7 @@ def normalize_row(row: Mapping[str, Any], index: Any = None, *, row_format: str 
     tags = Counter(
         p["type"] for m in messages if isinstance(m.get("content"), list) for p in m["content"] if "type" in p
     )
+    check_video_frames(videos, tags["video"])
     if (tags["image"], tags["video"]) != (len(images), len(videos)):
         raise SampleError(
             "placeholder_mismatch",
@@ -408,3 +410,28 @@ def row_fps(
             "fps="
         )
     return [None if r is None else float(r) for r in rates]
+
+
+#: file suffixes of still images: a video reference that names one is a frame, not a video file
+FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+NESTED_FRAMES_HINT = "a video's frames go in a nested list, one list per video (videos: [[frame, frame, ...]])"
+
+
+def is_frame_path(ref: Any) -> bool:
+    """Whether `ref` is a path naming a still image (by its suffix), which a video reference never should be."""
+    path = os.fspath(ref) if isinstance(ref, (str, os.PathLike)) else None
+    return isinstance(path, str) and path.lower().endswith(FRAME_SUFFIXES)
+
+
+def check_video_frames(videos: Sequence[Any], tags: int) -> None:
+    """Refuses a video given as a flat list of frame paths (more videos than `tags`, each a still image) with the hint
+    to nest them; the plain tag/media mismatch is reported by the caller.
+
+    Raises:
+        [`SampleError`]: `"placeholder_mismatch"`, naming [`NESTED_FRAMES_HINT`].
+    """
+    if tags < len(videos) and all(is_frame_path(ref) for ref in videos):
+        raise SampleError(
+            "placeholder_mismatch",
+            f"{tags} video tag(s) but {len(videos)} videos, each an image file: {NESTED_FRAMES_HINT}",
+        )

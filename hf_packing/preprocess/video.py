@@ -36,6 +36,7 @@ from .. import _compat
 from ..config import MAX_IMAGE_PIXELS
 from .errors import SampleError
 from .fetch import MediaFetcher, describe, is_remote
+from .formats import NESTED_FRAMES_HINT, is_frame_path
 from .images import ImageLoader
 
 __all__ = ["BACKEND", "BACKENDS", "VideoInfo", "VideoLoader", "backend", "is_file_ref"]
@@ -160,6 +161,8 @@ class VideoLoader:
             return bytes(ref)
         if not isinstance(ref, (str, os.PathLike)):
             raise SampleError("unsupported_video", f"unsupported video reference of type {type(ref).__name__}")
+        if is_frame_path(ref):  # one frame where a video was expected: its list was not nested
+            raise SampleError("bad_row", f"video {os.fspath(ref)!r} is an image file: {NESTED_FRAMES_HINT}")
         path = self.images.resolve(ref)
         if not path.is_file():
             raise SampleError("missing_file", f"video file {str(path)!r} not found")
