@@ -11,6 +11,7 @@ and transformers' own packed format (one flat row, positions restarting per samp
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +107,87 @@ def test_sequence_parallel_is_refused_naming_why():
     hf_packing.apply_rmpad("glm4v", sequence_parallel_size=state)
     with pytest.raises(ValueError, match="sequence_parallel_size=2 is not supported for glm4v"):
         model(**batch)
+
+
+# ------------------------------------------------------------------------------------------------ the packer's side
+def _rows(with_video: bool = True) -> list[dict]:
+    """The conversations as dataset rows: messages with bare placeholders, `images` / `videos` columns, frames at 2
+    fps."""
+    return [
+        {"messages": messages, "images": images, "videos": videos, "fps": 2.0}
+        for messages, images, videos in conversations(with_video)
+    ]
+
+
+def _processors_own_tokens(processor, pre, row: dict) -> torch.Tensor:
+    """The processor on the row alone: its template's text (plus the eos a footer-less template's last answer gets,
+    docs/chat_templates.md), its images and its frames with their metadata."""
+    text = pre.template.render(row["messages"])
+    text += pre.template.markers.close if row["messages"][-1]["role"] == "assistant" else ""
+    metadata = [
+        {"total_num_frames": len(v), "fps": row["fps"], "frames_indices": list(range(len(v)))} for v in row["videos"]
+    ]
+    out = processor(
+        text=[text],
+        images=row["images"] or None,
+        videos=row["videos"] or None,
+        videos_kwargs={"do_sample_frames": False, "video_metadata": metadata} if row["videos"] else {},
+        return_tensors="pt",
+    )
+    return out["input_ids"][0]
+
+
+@pytest.mark.parametrize("model_type", GLM_TYPES)
+def test_planned_lengths_equal_the_processors_own_token_counts(model_type):
+    """The packer's metadata-only estimate (GLM's resize rules, a video's frames with their timestamps) equals the
+    processor's own tokens for each row: text, one and two images, multi-turn, a video; and the processed sample is
+    exactly those tokens. Negative control: the estimate without the video's timestamps would be short."""
+    from hf_packing.preprocess.preprocessor import Preprocessor
+
+    processor = load_processor(model_type)
+    pre = Preprocessor(processor)
+    for row in _rows():
+        meta = pre.estimate(row)
+        own = _processors_own_tokens(processor, pre, row)
+        sample = pre.process(row, planned_tokens=meta.num_tokens)
+        assert meta.num_tokens == own.numel() and torch.equal(sample["input_ids"], own)
+        if row["videos"]:
+            frames = int(sample["video_grid_thw"][0, 0])
+            stamps = processor.tokenizer(processor.replace_frame_token_id(0.0, 1)).input_ids[3:]  # after the image
+            assert meta.num_tokens - meta.video_tokens - frames * (2 + len(stamps)) > 0
+            assert meta.video_tokens == int((sample["mm_token_type_ids"] == 2).sum())
+
+
+def test_the_prober_ends_a_glm_answer_at_the_next_role_token_and_closes_the_last_with_eos():
+    """GLM's template writes nothing after an assistant turn: the answer ends at the control token that opens what
+    follows (supervised: GLM's generation stops on it), and the last answer, which ends the text, gets the eos."""
+    from hf_packing.preprocess.preprocessor import Preprocessor
+
+    processor = load_processor("glm4v")
+    pre = Preprocessor(processor)
+    markers = pre.template.markers
+    assert (markers.header, markers.footer, markers.close) == ("<|assistant|>\n", "", "<|endoftext|>")
+    assert set(markers.stops) == {"<|user|>", "<|assistant|>", "<|observation|>"}
+    sample = pre.process(_rows(False)[3])  # two turns
+    text = glm_marked(processor, sample)
+    assert text in DOC_SAMPLE, f"docs/chat_templates.md: the GLM-4.1V example is stale; it renders as\n{text}"
+    eos, user = processor.tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|user|>"])
+    supervised = sample["input_ids"][sample["labels"] != -100].tolist()
+    assert supervised.count(user) == 1 and supervised[-1] == eos
+
+
+def glm_marked(processor, sample: dict) -> str:
+    """The sample's text with each run of supervised tokens in ⟦ ⟧ and each run of image tokens as one."""
+    out, inside, previous = [], False, None
+    for token, label in zip(sample["input_ids"].tolist(), sample["labels"].tolist()):
+        if (label != -100) != inside:
+            out.append("⟦" if not inside else "⟧")
+            inside = not inside
+        text = processor.tokenizer.decode([token])
+        if not (text == "<|image|>" == previous):
+            out.append(text)
+        previous = text
+    return "".join(out) + ("⟧" if inside else "")
+
+
+DOC_SAMPLE = (Path(__file__).parents[1] / "docs" / "chat_templates.md").read_text()
