@@ -191,3 +191,16 @@ def glm_marked(processor, sample: dict) -> str:
 
 
 DOC_SAMPLE = (Path(__file__).parents[1] / "docs" / "chat_templates.md").read_text()
+
+
+def test_glm4v_moe_router_loss_matches():
+    """GLM-4.5V's load-balancing term (``num_local_experts``, GLM's alias of ``n_routed_experts``) on a padded batch
+    the unpatched model accepts (images, no video): loss, aux loss and gradients equal."""
+    model, processor = model_and_processor("glm4v_moe")
+    batch = processed_batch(processor, conversations(with_video=False)) | {"output_router_logits": True}
+    model.zero_grad(set_to_none=True)
+    ref_aux = model(**batch).aux_loss.item()
+    ref = loss_and_grads(model, batch)
+    hf_packing.apply_rmpad("glm4v_moe")
+    assert model(**batch).aux_loss.item() == pytest.approx(ref_aux, rel=1e-5)
+    assert_equivalent(ref, loss_and_grads(model, batch), "glm4v_moe+aux")

@@ -29,6 +29,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
 from ..ops import loss as loss_
+from ..ops.flops import num_experts
 from ..ops.loss import (
     CrossEntropySum,
     cross_entropy_sum,
@@ -489,11 +490,12 @@ def _moe_fields(
     if not router_logits:
         return {"aux_loss": None, "router_logits": router_logits}
     text = model.config.text_config
+    experts = int(num_experts(text) or 0)  # a model that returns router logits routes to experts
     if sp is None:
-        aux_loss = spec.load().load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok, None)
+        aux_loss = spec.load().load_balancing_loss_func(router_logits, experts, text.num_experts_per_tok, None)
     else:
         aux_loss = shard_.load_balancing_loss(
-            router_logits, text.num_experts, text.num_experts_per_tok, sp, flat.indices.numel()
+            router_logits, experts, text.num_experts_per_tok, sp, flat.indices.numel()
         )
     if loss is not None and ce is not None:
         weight = text.router_aux_loss_coef
