@@ -20,6 +20,14 @@ and each assistant turn of a rendered row is the text from after a header to the
     <|im_start|>user\\nWhat?<|im_end|>\\n<|im_start|>assistant\\n<think>\\nr\\n</think>\\n\\nA dog.<|im_end|>\\n
                                                         └────────── supervised (labels) ──────────┘
 
+A template that writes nothing after an assistant turn (GLM-V: the next role token ends it) has no footer; then the
+turn ends at the first control token that can open what follows (the next user turn's, a tool turn's, the assistant
+header's: learned from the same probes, each one special token), which is supervised, and a last answer that ends
+the text gets the tokenizer's eos appended and supervised (`ChatRenderer.closed`)::
+
+    [gMASK]<sop><|user|>\nWhat?<|assistant|>\nA dog.<|user|>\nColour?<|assistant|>\nBrown.<|endoftext|>
+                                      └ supervised ┘                    └ supervised (eos appended) ┘
+
 A template without such markers (no header common to the three renders, no footer after the answer) is refused with
 a [`TemplateError`] naming it, when the source's preprocessor is built; a row whose rendering holds a different number
 of headers than assistant turns (a header written inside a message) is skipped (`"unlocated_assistant_turn"`), never

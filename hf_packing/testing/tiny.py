@@ -10,6 +10,10 @@ real ``*ForConditionalGeneration`` classes with tiny random weights.
 The token ids mirror Qwen's layout: ``BASE_VOCAB`` ordinary BPE tokens, then the Qwen special tokens in Qwen's order,
 so ``<|image_pad|>`` sits 12 ids after ``<|endoftext|>`` exactly as in the real vocabularies.
 
+The GLM-V families (``GLM_TYPES``: ``"glm4v"``, ``"glm4v_moe"``, ``"glm46v"``) get their own vocabulary (GLM-4's special
+tokens after the same BPE), their real processors (``Glm4vProcessor``, ``Glm46VProcessor``) and a chat template of
+GLM-4.1V's shape (the GLM block at the end of this module).
+
 ``transformers`` is imported inside functions only, so importing this module is cheap and side-effect free.
 """
 
