@@ -25,6 +25,7 @@ from tests.helpers import (
     assert_equivalent,
     conversations,
     each_sample_alone,
+    image,
     load_processor,
     loss_and_grads,
     model_and_processor,
@@ -60,6 +61,28 @@ def test_patched_equals_each_sample_alone_unpatched(model_type, layout):
     assert batch["pixel_values"] is not None and batch["pixel_values_videos"] is not None  # one batch, both kinds
     hf_packing.apply_rmpad(model_type)
     assert_equivalent(oracle, loss_and_grads(model, batch), f"{model_type}/{layout} vs each alone")
+
+
+def _mixed_sample() -> tuple:
+    """One conversation holding a video, then an image: transformers' GLM refuses it even alone."""
+    (question, answer), clip = conversations()[-1][0], conversations()[-1][2]
+    return [{**question, "content": [*question["content"], {"type": "image"}]}, answer], [image(84, 56, 5)], clip
+
+
+@pytest.mark.parametrize("mode", ["rows", "flat"])
+def test_a_pack_with_videos_before_images_and_a_video_and_an_image_in_one_sample(mode):
+    """The tower's items in row order, not images-then-videos. A pack whose first sample is a video equals each sample
+    alone on the unpatched model. A sample holding a video and then an image (which transformers' GLM refuses even
+    alone) packed with the others equals each of them alone on the patched model."""
+    model, processor = model_and_processor("glm4v")
+    video_first = processed_samples(processor, conversations()[::-1])
+    oracle = each_sample_alone(model, video_first)
+    collate = VisionCollator(processor, mode=mode, model_config=model.config)
+    hf_packing.apply_rmpad("glm4v")
+    assert_equivalent(oracle, loss_and_grads(model, collate(video_first)), f"glm4v/video first/{mode} vs each alone")
+    mixed = [*video_first, *processed_samples(processor, [_mixed_sample()])]
+    alone = each_sample_alone(model, mixed)
+    assert_equivalent(alone, loss_and_grads(model, collate(mixed)), f"glm4v/video+image sample/{mode} vs each alone")
 
 
 @pytest.mark.parametrize("model_type", GLM_TYPES)
