@@ -141,6 +141,11 @@ class VisionCollator:
         self.return_cu_seqlens = return_cu_seqlens
         self.rope_index = RopeIndex(model_config) if model_config is not None else None
         self.vision_config = None if self.rope_index is None else getattr(model_config, "vision_config", None)
+        self.frames_as_images = False
+        if model_config is not None:
+            from .patches import frames_as_images  # the family table: with a model config only
+
+            self.frames_as_images = frames_as_images(model_config)
         self.image_token_id = getattr(processor, "image_token_id", None) or getattr(
             model_config, "image_token_id", None
         )
@@ -165,15 +170,16 @@ class VisionCollator:
             raise ValueError("VisionCollator got only empty packs")
         return samples
 
-    def _check(self, index: int, sample: Mapping[str, Any], ids: torch.Tensor) -> None:
-        if ids.numel() == 0:
-            raise ValueError(f"sample {index} has no tokens")
-        for kind, token, grid_key, pix_key in (
-            ("image", self.image_token_id, "image_grid_thw", "pixel_values"),
-            ("video", self.video_token_id, "video_grid_thw", "pixel_values_videos"),
+    def _check(self, index: int, sample: Mapping[str, Any], ids: torch.Tensor, types: torch.Tensor) -> None:
+        """The sample's image / video placeholders (by token type: GLM-V writes video frames with the image token)
+        against its grids, and its patches against this processor's patch size."""
+        for code, kind, token, grid_key, pix_key in (
+            (1, "image", self.image_token_id, "image_grid_thw", "pixel_values"),
+            (2, "video", self.video_token_id, "video_grid_thw", "pixel_values_videos"),
         ):
             grid = sample.get(grid_key)
-            count = int((ids == token).sum()) if token is not None else 0
+            placeholder = (ids == self.image_token_id) | (ids == self.video_token_id)  # of the type's kind below
+            count = int(((types == code) & placeholder).sum()) if token is not None else 0
             expected = 0 if grid is None else int(torch.as_tensor(grid).prod(-1).sum()) // self.merge**2
             if token is not None and count != expected:
                 raise ValueError(
@@ -199,7 +205,8 @@ class VisionCollator:
             if "input_ids" not in sample:
                 raise ValueError(f"sample {index} has no 'input_ids'; keys are {sorted(sample)}")
             sample_ids = _as_long(sample["input_ids"])
-            self._check(index, sample, sample_ids)
+            if sample_ids.numel() == 0:
+                raise ValueError(f"sample {index} has no tokens")
             sample_labels = (
                 _as_long(sample["labels"]).clone() if sample.get("labels") is not None else sample_ids.clone()
             )
@@ -216,6 +223,7 @@ class VisionCollator:
                     sample_types[sample_ids == self.image_token_id] = 1
                 if self.video_token_id is not None:
                     sample_types[sample_ids == self.video_token_id] = 2
+            self._check(index, sample, sample_ids, sample_types)
             sample_labels[sample_types != 0] = IGNORE_INDEX
             ids.append(sample_ids)
             labels.append(sample_labels)
@@ -233,7 +241,11 @@ class VisionCollator:
 
             n_images = len(batch["image_grid_thw"]) if "image_grid_thw" in batch else 0
             precomputed = precomputed_vision_inputs(
-                self.vision_config, batch["vision_grids"], n_images=n_images, token_types=torch.cat(types)
+                self.vision_config,
+                batch["vision_grids"],
+                n_images=n_images,
+                token_types=torch.cat(types),
+                frames_as_images=self.frames_as_images,
             )
             if precomputed:
                 batch["vision_inputs"] = precomputed

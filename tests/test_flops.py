@@ -17,7 +17,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
+from hf_packing.patches import frames_as_images
+from hf_packing.patches._vision import frame_grids
+from hf_packing.testing.tiny import GLM_TYPES, MODEL_TYPES, build_tiny_model
 from hf_packing.training.flops import cost_model, text_flops
 from hf_packing.training.telemetry import training_flops
 
@@ -41,6 +43,8 @@ def _sum_outputs(output) -> torch.Tensor:
 
 def _tower_reference(model, grid: torch.Tensor, train: bool) -> float:
     tower = model.model.visual
+    if frames_as_images(model.config):  # GLM-V's tower takes a video's frames as images, as get_video_features does
+        grid = frame_grids(grid, n_images=0)
     in_dim = math.prod(tower.patch_embed.proj.weight.shape[1:])
     pixels = torch.randn(int(grid.prod(-1).sum()), in_dim)
     with FlopCounterMode(display=False) as counter:
@@ -52,7 +56,7 @@ def _tower_reference(model, grid: torch.Tensor, train: bool) -> float:
     return float(counter.get_total_flops())
 
 
-@pytest.fixture(scope="module", params=MODEL_TYPES)
+@pytest.fixture(scope="module", params=MODEL_TYPES + GLM_TYPES)
 def eager_model(request):
     # eager experts: a loop of mm over the routed tokens (grouped_mm is not counted by FlopCounterMode)
     return build_tiny_model(request.param, attn_implementation="eager", experts_implementation="eager").train()

@@ -13,7 +13,8 @@ a sample's metadata: tokens n, P = Σ t·h·w and Q = Σ t·(h·w)²)::
             L_lin Gated DeltaNet layers, S = value heads·d_k·d_v: state read by k, written, read by q (model FLOPs).
     vision  P = Σ t·h·w patches, m = spatial_merge_size:
             patch embedding 2·N_pe·P forward (its backward computes only the weight gradient: ×2 in all),
-            blocks 2·N_blk·P, merger and DeepStack mergers 2·N_mrg·P/m² (they run on merged tokens),
+            blocks 2·N_blk·P, merger and DeepStack mergers 2·N_mrg·P/m² (they run on merged tokens; GLM-V's
+            m×m ``downsample`` convolution too),
             attention 4·D·Σ_unit n² per block, bidirectional, unit = one frame (Q = Σ t·(h·w)²) or, in
             Qwen2.5-VL's windowed blocks, one window (W = Σ_window n², its real size at the frame's edge; the packer,
             without the grids, counts every patch in a whole window: W ≈ window_patches·P, exact when the frames
@@ -40,7 +41,23 @@ import torch
 
 from .varlen import vision_seqlens
 
-__all__ = ["ModelFlops"]
+__all__ = ["ModelFlops", "num_experts"]
+
+#: weights read by lookup or interpolation, not multiplied: token embeddings, the vision position tables (Qwen's
+#: ``pos_embed``, GLM-V's ``embeddings.position_embedding``), and the LM head (counted as H·V analytically)
+_LOOKUPS = ("embed_tokens", "pos_embed", "position_embedding", "lm_head")
+
+
+def _on_merged(name: str) -> bool:
+    """Whether a tower child runs on merged tokens (P/m² rows): the mergers, and GLM-V's ``downsample``, the m×m
+    stride-m convolution that merges the patches before its merger."""
+    return "merger" in name or name == "downsample"
+
+
+def num_experts(text_config: Any) -> int | None:
+    """Routed experts of a text config: ``num_experts`` (Qwen), ``num_local_experts`` (GLM-4.5V's alias of
+    ``n_routed_experts``); ``None`` for a dense model."""
+    return getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None)
 
 
 def _matmul_numel(named: Any, experts: int | None = None, active: int | None = None) -> float:
@@ -48,7 +65,7 @@ def _matmul_numel(named: Any, experts: int | None = None, active: int | None = N
     ``active / experts``. ``named``: ``(name, parameter)`` pairs."""
     total = 0.0
     for name, p in named:
-        if p.dim() < 2 or "embed_tokens" in name or "pos_embed" in name or "lm_head" in name:
+        if p.dim() < 2 or any(lookup in name for lookup in _LOOKUPS):
             continue
         numel = float(getattr(p, "ds_numel", p.numel()))  # DeepSpeed ZeRO-3 partitions hold numel 0
         total += numel * active / experts if experts and active and ".experts." in f".{name}" else numel
@@ -91,7 +108,7 @@ class ModelFlops:
         config: Any = model.config  # a transformers PretrainedConfig (ops import no transformers)
         text = config.get_text_config()
         heads = text.num_attention_heads
-        experts, active = getattr(text, "num_experts", None), getattr(text, "num_experts_per_tok", None)
+        experts, active = num_experts(text), getattr(text, "num_experts_per_tok", None)
         tower: Any = getattr(getattr(model, "model", model), "visual", None) or getattr(model, "visual", None)
         in_tower = {id(p) for p in tower.parameters()} if tower is not None else set()
         decoder = ((n, p) for n, p in model.named_parameters() if id(p) not in in_tower)
@@ -109,7 +126,7 @@ class ModelFlops:
             return counts
         vc: Any = config.vision_config
         embed = _matmul_numel(tower.patch_embed.named_parameters())
-        mergers = sum(_matmul_numel(m.named_parameters()) for n, m in tower.named_children() if "merger" in n)
+        mergers = sum(_matmul_numel(m.named_parameters()) for n, m in tower.named_children() if _on_merged(n))
         fields = vc.to_dict()  # getattr(vc, "window_size", None) raises on Qwen3-VL's per-layer config in 5.23
         windowed = fields.get("fullatt_block_indexes") is not None and bool(fields.get("window_size"))
         window_blocks = vc.depth - len(vc.fullatt_block_indexes) if windowed else 0

@@ -31,12 +31,13 @@ from ._backbone import make_backbone_forward
 from ._forward import RmpadOptions, check_attn_implementation, make_rmpad_forward
 from ._linear import linear_patches
 from ._patcher import Patch, PatchSet, RegistryPatch
-from ._spec import FAMILIES, FamilySpec
+from ._spec import FAMILIES, FamilySpec, frames_as_images
 from .prepared import training
 
 __all__ = [
     "apply_rmpad",
     "check_attn_implementation",
+    "frames_as_images",
     "is_applied",
     "is_patched",
     "revert_rmpad",
@@ -103,11 +104,13 @@ def _family_patches(spec: FamilySpec, options: RmpadOptions) -> list[Patch]:
     module = spec.load()
     model_cls, backbone_cls = getattr(module, spec.model_class), getattr(module, spec.backbone_class)
     linear = linear_patches(module, options.linear_backend) if spec.linear_attention else []
+    towers = spec.load_attention()
     return [
         Patch(model_cls, "forward", make_rmpad_forward(model_cls.__dict__["forward"], spec, options)),
         Patch(model_cls, "accepts_loss_kwargs", True),
         Patch(backbone_cls, "forward", make_backbone_forward(backbone_cls.__dict__["forward"], spec, options)),
-        Patch(module, "is_flash_attention_requested", make_vision_flash_check(module.is_flash_attention_requested)),
+        # the tower's module (GLM-4.6V's tower is GLM-4.1V's): where its attention reads the flash check
+        Patch(towers, "is_flash_attention_requested", make_vision_flash_check(towers.is_flash_attention_requested)),
         *linear,
     ]
 

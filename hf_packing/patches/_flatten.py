@@ -66,6 +66,8 @@ class FlatBatch:
     collated: bool = False
     #: the collator's ``vision_inputs`` (`_vision.precomputed_vision_inputs`): what the tower's helpers would compute
     vision_inputs: dict[str, Any] = field(default_factory=dict)
+    #: the family's tower encodes video frames as images (`FamilySpec.video_frames_as_images`, GLM-V)
+    frames_as_images: bool = False
 
     def flatten(self, padded: torch.Tensor) -> torch.Tensor:
         """``(B, L, ...)`` → ``(T, ...)`` for any per-token tensor of the caller (labels, shift_labels)."""
@@ -273,7 +275,8 @@ def flatten_batch(
     if image_grid_thw is not None or video_grid_thw is not None:
         # the collator's batch (seqlens): checked by the collator, on the host; any other caller's: here, on the host
         check = check_placeholders if seqlens is None else collated_placeholders
-        check(backbone.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw)
+        types = None if mm_token_type_ids is None else index_first_axis(mm_token_type_ids.flatten(), indices)
+        check(backbone.config, flat_ids[0], seqs, image_grid_thw, video_grid_thw, types)
     _, mrope = _text_positions(position_ids)
     if mrope is None:
         if len(seqs.seqlens) != batch:
@@ -289,18 +292,26 @@ def flatten_batch(
     return FlatBatch(flat_ids, flat_pos, flat_types, indices, seqs, batch, length, collated=seqlens is not None)
 
 
-def _placeholder_counts(config, flat_ids: torch.Tensor, seqs: PackedSequences) -> torch.Tensor:
+def _placeholder_counts(
+    config, flat_ids: torch.Tensor, seqs: PackedSequences, flat_types: torch.Tensor | None = None
+) -> torch.Tensor:
     """``(2, n_seqs)`` int64 on the device: image / video placeholder tokens per sequence (from the device
-    ``cu_seqlens``: no host sync, no tensor from host data)."""
+    ``cu_seqlens``: no host sync, no tensor from host data). By the token types when given (1 image, 2 video: GLM-V
+    writes a video's frames with the image token), else by the config's two token ids."""
     seq_id, _ = token_sequences(seqs, flat_ids.numel(), flat_ids.device)  # 1-based
     counts = torch.zeros(2, len(seqs.seqlens) + 1, dtype=torch.long, device=flat_ids.device)
-    counts[0].index_add_(0, seq_id, (flat_ids == config.image_token_id).long())
-    counts[1].index_add_(0, seq_id, (flat_ids == config.video_token_id).long())
+    if flat_types is None:
+        image, video = flat_ids == config.image_token_id, flat_ids == config.video_token_id
+    else:  # a placeholder token of either id, of the type's kind
+        placeholder = (flat_ids == config.image_token_id) | (flat_ids == config.video_token_id)
+        image, video = (flat_types == 1) & placeholder, (flat_types == 2) & placeholder
+    counts[0].index_add_(0, seq_id, image.long())
+    counts[1].index_add_(0, seq_id, video.long())
     return counts[:, 1:]
 
 
 def collated_placeholders(
-    config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw
+    config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw, flat_types=None
 ) -> None:
     """`check_placeholders` for `VisionCollator`'s batches: nothing to do in the step. The collator checked each
     sample's placeholders against its grids on the host, in the DataLoader worker (``VisionCollator._check``), and
@@ -308,12 +319,14 @@ def collated_placeholders(
     context. (A seam: the sync gate's negative control puts the host check back here.)"""
 
 
-def check_placeholders(config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw) -> None:
+def check_placeholders(
+    config, flat_ids: torch.Tensor, seqs: PackedSequences, image_grid_thw, video_grid_thw, flat_types=None
+) -> None:
     """Each sequence's image/video placeholder count must equal the tokens of the items (in order) that belong
     to it; otherwise features would land in the wrong sample. Raises `ValueError` with transformers' wording
     ("Image features and image tokens do not match") plus the sequence it concerns."""
     merge = config.vision_config.spatial_merge_size
-    counts = _placeholder_counts(config, flat_ids, seqs)
+    counts = _placeholder_counts(config, flat_ids, seqs, flat_types)
     for kind, row_counts, grid in zip(("image", "video"), counts.tolist(), (image_grid_thw, video_grid_thw)):
         per_item = [] if grid is None else [t * h * w // merge**2 for t, h, w in grid.tolist()]
         wording = (

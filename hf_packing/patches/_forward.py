@@ -29,6 +29,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from transformers.utils.generic import ModelOutput, can_return_tuple
 
 from ..ops import loss as loss_
+from ..ops.flops import num_experts
 from ..ops.loss import (
     CrossEntropySum,
     cross_entropy_sum,
@@ -47,6 +48,7 @@ from ._vision import (
     ITEM_TOKENS,
     deepstack_by_index,
     joint_items,
+    shared_token_items,
     tower_calls,
     trusted_placeholder_masks,
     vision_seqlens,
@@ -198,6 +200,7 @@ def flatten_call(backbone, spec: FamilySpec, call: ForwardCall) -> FlatBatch:
         extra=dict(call.rope),
         seqlens=call.seqlens,
     )
+    flat.frames_as_images = spec.video_frames_as_images
     if call.vision_grids:
         flat.vision_seqlens = vision_seqlens(backbone.config.vision_config, call.vision_grids)
     # the Trainer moves nested batch tensors; a caller that moved only the top level gets them moved here (a no-op
@@ -250,7 +253,15 @@ def run_backbone(
         known = host_vision_seqlens(flat.vision_seqlens if sp is None else ())
         precomputed = flat.vision_inputs if sp is None else {}
         # images and videos as one kind (DeepStack families): the tower's split and the placeholder masks agree on it
-        joint = flat.collated and joint_items(
+        if flat.frames_as_images and not flat.collated and sp is None:
+            # GLM-V: an image and a video frame share one placeholder token, so transformers' two merges cannot keep
+            # them apart (it refuses such a batch); as one kind in row order they can. The order is read on the host
+            # here (the collator gives it from the workers); `check_placeholders` checked the counts.
+            precomputed = shared_token_items(
+                flat.mm_token_type_ids, vision["image_grid_thw"], vision["video_grid_thw"], backbone.config
+            )
+        # images and videos as one kind (DeepStack families, GLM-V): the tower's split and the placeholder masks agree
+        joint = (flat.collated or flat.frames_as_images) and joint_items(
             precomputed, vision["pixel_values"], vision["pixel_values_videos"], model_kwargs
         )
         towers = tower_calls(
@@ -261,8 +272,9 @@ def run_backbone(
             sp=sp,
             precomputed=precomputed,
             joint=joint,
+            frames_as_images=flat.frames_as_images,
         )
-        trusted = trusted_placeholder_masks(backbone, flat.collated, joint)
+        trusted = trusted_placeholder_masks(backbone, flat.collated or joint, joint)
         item_tokens = precomputed.get(ITEM_TOKENS)
         deepstack = deepstack_by_index(backbone, None if item_tokens is None else sum(item_tokens))
         with known, towers as dummy, trusted, deepstack, inside_packed_forward():
@@ -367,6 +379,13 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             default = "output_router_logits" in signature.named and self.config.text_config.output_router_logits
             model_kwargs = {**model_kwargs, "output_router_logits": bool(default) if router is None else router}
         sp = options.sequence_parallel.group()
+        if sp is not None and spec.video_frames_as_images:
+            raise ValueError(
+                f"sequence_parallel_size={options.sequence_parallel_size} is not supported for {spec.model_type}: "
+                "its tower encodes video frames as images and its placeholders share one token, which the split "
+                "tower call (hf_packing.parallel.shard.encode_vision_split) does not handle yet; set "
+                "sequence_parallel_size=1 (docs/sequence_parallel.md)"
+            )
         # evaluation too: FSDP2 / ZeRO-3 all-gather the tower's parameters in every forward, with or without grad
         outputs, dummy = run_backbone(self.model, flat, call, model_kwargs, options.dummy_vision, sp)
         skip_logits = call.skip_logits
@@ -471,11 +490,12 @@ def _moe_fields(
     if not router_logits:
         return {"aux_loss": None, "router_logits": router_logits}
     text = model.config.text_config
+    experts = int(num_experts(text) or 0)  # a model that returns router logits routes to experts
     if sp is None:
-        aux_loss = spec.load().load_balancing_loss_func(router_logits, text.num_experts, text.num_experts_per_tok, None)
+        aux_loss = spec.load().load_balancing_loss_func(router_logits, experts, text.num_experts_per_tok, None)
     else:
         aux_loss = shard_.load_balancing_loss(
-            router_logits, text.num_experts, text.num_experts_per_tok, sp, flat.indices.numel()
+            router_logits, experts, text.num_experts_per_tok, sp, flat.indices.numel()
         )
     if loss is not None and ce is not None:
         weight = text.router_aux_loss_coef

@@ -1,4 +1,4 @@
-"""What differs between the Qwen-VL families: names, and a couple of forward arguments."""
+"""What differs between the model families (Qwen-VL, GLM-V): names, and a couple of forward arguments."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ class FamilySpec:
         moe: whether the text model routes tokens to experts (adds the load-balancing loss).
         linear_attention: whether text layers mix softmax attention with Gated DeltaNet linear attention
             (Qwen3.5), whose conv and recurrent kernels get the boundaries too (see `_linear`).
+        video_frames_as_images: the tower encodes each video frame as an image of its own (grid ``[1, h, w]``) and
+            the text writes a frame's tokens with the image token (GLM-V): the one tower call gets the frames' grids,
+            and a pack with images and videos enters the text model as one kind, in row order (`_vision`).
+        attention_module: where ``text_attention`` / ``vision_attention`` live when not in ``module`` (GLM-4.6V
+            builds GLM-4.1V's text and vision models).
     """
 
     model_type: str
@@ -31,13 +36,24 @@ class FamilySpec:
     rope_kwargs: tuple[str, ...] = ()
     moe: bool = False
     linear_attention: bool = False
+    attention_module: str | None = None
+    video_frames_as_images: bool = False
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
 
+    def load_attention(self) -> ModuleType:
+        """The module of the attention classes (and of the vision tower's flash check): ``module`` unless the
+        family builds its text and vision models from another family's (GLM-4.6V: GLM-4.1V's, via ``AutoModel``)."""
+        return importlib.import_module(self.attention_module or self.module)
+
     def classes(self) -> tuple[type, type, type]:
-        mod = self.load()
-        return getattr(mod, self.model_class), getattr(mod, self.text_attention), getattr(mod, self.vision_attention)
+        mod, attention = self.load(), self.load_attention()
+        return (
+            getattr(mod, self.model_class),
+            getattr(attention, self.text_attention),
+            getattr(attention, self.vision_attention),
+        )
 
 
 def _spec(model_type: str, prefix: str, text_attention: str, vision_attention: str, **extra) -> FamilySpec:
@@ -75,5 +91,30 @@ FAMILIES: dict[str, FamilySpec] = {
             moe=True,
             linear_attention=True,
         ),
+        # GLM-V (GLM-4.1V, GLM-4.5V, GLM-4.6V): Qwen2-VL's layout with their own tower and processor; what is new
+        # about them is documented in docs/patches.md ("GLM-V")
+        _spec("glm4v", "Glm4v", "Glm4vTextAttention", "Glm4vVisionAttention", video_frames_as_images=True),
+        _spec(
+            "glm4v_moe",
+            "Glm4vMoe",
+            "Glm4vMoeTextAttention",
+            "Glm4vMoeVisionAttention",
+            moe=True,
+            video_frames_as_images=True,
+        ),
+        _spec(
+            "glm46v",
+            "Glm46V",
+            "Glm4vTextAttention",
+            "Glm4vVisionAttention",
+            attention_module="transformers.models.glm4v.modeling_glm4v",
+            video_frames_as_images=True,
+        ),
     )
 }
+
+
+def frames_as_images(config) -> bool:
+    """Whether the family of a model ``config`` has `FamilySpec.video_frames_as_images` (unknown families: no)."""
+    spec = FAMILIES.get(getattr(config, "model_type", ""))
+    return bool(spec and spec.video_frames_as_images)

@@ -89,6 +89,19 @@ INTERPOLATION = {"mode": "bilinear", "align_corners": True}
 #: the keys of `precomputed_vision_inputs` that are hf_packing's own (`tower_calls` takes them out before the tower)
 ITEM_TOKENS = "hf_packing_item_tokens"
 ITEM_ORDER = "hf_packing_item_order"
+#: the grids the tower gets when it encodes video frames as images (GLM-V): images, then each video frame as [1, h, w]
+TOWER_GRIDS = "hf_packing_tower_grids"
+_OURS = (ITEM_TOKENS, ITEM_ORDER, TOWER_GRIDS)
+
+
+def frame_grids(grids: torch.Tensor, n_images: int) -> torch.Tensor:
+    """``grids`` (``(N, 3)``, images then videos) with each video split into its frames, ``[1, h, w]`` each: what a
+    tower that encodes frames as images (GLM-V's ``get_video_features``) is given. On the device a data-dependent
+    ``repeat_interleave`` (the collator gives it from the host: `precomputed_vision_inputs`)."""
+    videos = grids[n_images:]
+    frames = torch.repeat_interleave(videos, videos[:, 0], dim=0)
+    frames[:, 0] = 1
+    return torch.cat([grids[:n_images], frames])
 
 
 def item_order(token_types: torch.Tensor, item_tokens: list[int], n_images: int) -> list[int] | None:
@@ -128,6 +141,18 @@ def joint_items(precomputed: Mapping[str, Any], pixel_values, pixel_values_video
     )
 
 
+def shared_token_items(token_types: torch.Tensor | None, image_grid_thw, video_grid_thw, config) -> dict[str, Any]:
+    """`ITEM_TOKENS` and `ITEM_ORDER` of a call that is not the collator's, read on the host (``.tolist()`` of the
+    grids and the flat row's token types ``(1, T)``): what `precomputed_vision_inputs` gives the collator's batches.
+    ``{}`` without both images and videos, or without token types."""
+    if image_grid_thw is None or video_grid_thw is None or token_types is None:
+        return {}
+    merge = config.vision_config.spatial_merge_size
+    grids = image_grid_thw.tolist() + video_grid_thw.tolist()
+    sizes = [t * h * w // merge**2 for t, h, w in grids]
+    return {ITEM_TOKENS: sizes, ITEM_ORDER: item_order(token_types.flatten().cpu(), sizes, len(image_grid_thw))}
+
+
 def _tower_features(inner, pixels: torch.Tensor, grids: torch.Tensor, sizes: list[int], **kwargs: Any) -> ModelOutput:
     """transformers 5.23's ``get_image_features`` (every family: the tower, then its output split per item, DeepStack
     features too), with the split sizes given on the host instead of read from ``grids`` (``.tolist()``)."""
@@ -139,7 +164,12 @@ def _tower_features(inner, pixels: torch.Tensor, grids: torch.Tensor, sizes: lis
 
 
 def precomputed_vision_inputs(
-    vision_config, grids: list[list[int]], *, n_images: int = 0, token_types: torch.Tensor | None = None
+    vision_config,
+    grids: list[list[int]],
+    *,
+    n_images: int = 0,
+    token_types: torch.Tensor | None = None,
+    frames_as_images: bool = False,
 ) -> dict[str, Any]:
     """What the vision tower would compute from ``grids`` on the device, computed here on the host (in the collator's
     DataLoader worker) with transformers' own helpers, in the keys its tower pops them under (transformers 5.23,
@@ -151,6 +181,8 @@ def precomputed_vision_inputs(
         (ours)                ITEM_TOKENS: each item's merged tokens t·h·w / merge², the split of the tower's output
         (ours, DeepStack)     ITEM_ORDER: with images and videos, their order in the row (``token_types``: the flat
                               row's ``mm_token_type_ids``; `item_order`), so they enter the text model as one kind
+        (ours, GLM-V)         TOWER_GRIDS: the videos split into frames (``frames_as_images``, `frame_grids`), and
+                              ITEM_ORDER as for DeepStack: an image and a frame share one placeholder token
 
     On the device each is a host read, a data-dependent ``repeat_interleave`` or a tensor made from host data, every
     step (counted: docs/patches.md; benchmarks/RESULTS.md, 'bench_syncs'). ``grids``: ``[t, h, w]`` per item, images
@@ -183,8 +215,10 @@ def precomputed_vision_inputs(
             **INTERPOLATION,
         )
         out.update(interp_indices=indices, interp_weights=weights)
+    if frames_as_images and n_images < len(grids):
+        out[TOWER_GRIDS] = frame_grids(grid, n_images)
     if (
-        getattr(vision_config, "deepstack_visual_indexes", None)
+        (getattr(vision_config, "deepstack_visual_indexes", None) or frames_as_images)
         and token_types is not None
         and 0 < n_images < len(grids)
     ):
@@ -242,6 +276,7 @@ def tower_calls(
     sp: SPGroup | None = None,
     precomputed: Mapping[str, Any] = MappingProxyType({}),
     joint: bool = False,
+    frames_as_images: bool = False,
 ) -> Iterator[list[torch.Tensor]]:
     """Make the backbone (``XModel``) inside the block call the vision tower exactly once (see the module docstring).
 
@@ -257,6 +292,8 @@ def tower_calls(
     under sequence parallelism (each rank encodes a share) nor with per-modality keywords (two calls). ``joint``
     (`joint_items`, decided by the caller with `trusted_placeholder_masks`'s): the images and videos are handed to
     transformers as images only, in the order of ``precomputed[ITEM_ORDER]``; the videos' call gets nothing.
+    ``frames_as_images`` (GLM-V): the tower gets each video frame as an image (``precomputed[TOWER_GRIDS]``, else
+    `frame_grids` on the device), as the family's own ``get_video_features`` gives them.
     """
     inner = backbone
     dummy_terms: list[torch.Tensor] = []
@@ -295,13 +332,20 @@ def tower_calls(
             return
         pixels = torch.cat([p.to(media[0][0].dtype) for p, _ in media])
         grids = torch.cat([g for _, g in media])
+        if frames_as_images and pixel_values_videos is not None:
+            n_images = 0 if image_grid_thw is None else len(image_grid_thw)
+            tower = precomputed.get(TOWER_GRIDS)
+            grids = frame_grids(grids, n_images) if tower is None else tower.to(grids.device)
         # return_dict explicitly: before 5.23 transformers let config.return_dict=False turn this into a tuple
         kwargs = {**kwargs, "return_dict": True}
         if sp is None:
             sizes = precomputed.get(ITEM_TOKENS)
             # the tower's helpers pop their inputs from these keywords: a new dict per call
-            kwargs = {**{k: v for k, v in precomputed.items() if k not in (ITEM_TOKENS, ITEM_ORDER)}, **kwargs}
+            kwargs = {**{k: v for k, v in precomputed.items() if k not in _OURS}, **kwargs}
             with torch.no_grad() if frozen_tower(inner) else contextlib.nullcontext():
+                if sizes is None and frames_as_images:  # split per item, not per frame: sizes read on the host
+                    merge = inner.config.vision_config.spatial_merge_size
+                    sizes = (torch.cat([g for _, g in media]).prod(-1) // merge**2).tolist()
                 if sizes is None:
                     out = type(inner).get_image_features(inner, pixels, grids, **kwargs)
                 else:

@@ -61,6 +61,15 @@ META_COLUMNS = (
     "hfp_skip_message",
     "hfp_features",
 )
+#: the tokens that wrap image / video placeholders in the families' templates and processors
+_VISION_WRAPPERS = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+)
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 __all__ = [
     "META_COLUMNS",
@@ -172,12 +181,11 @@ class Preprocessor:
         ids = self.tokenizer.convert_tokens_to_ids
         self.image_token, self.video_token = processor.image_token, getattr(processor, "video_token", None)
         self.image_id, self.video_id = ids(self.image_token), ids(self.video_token) if self.video_token else None
+        # the placeholders and the tokens that wrap them (Qwen: vision start/end; GLM-V: begin/end of image/video),
+        # those of the tokenizer's vocabulary: never supervised
+        wrappers = [ids(t) for t in _VISION_WRAPPERS if t in self.tokenizer.get_vocab()]
         self.vision_ids = np.array(
-            [
-                i
-                for i in (self.image_id, self.video_id, ids("<|vision_start|>"), ids("<|vision_end|>"))
-                if isinstance(i, int) and i >= 0
-            ]
+            [i for i in (self.image_id, self.video_id, *wrappers) if isinstance(i, int) and i >= 0]
         )
         self.merge = processor.image_processor.merge_size
 
@@ -226,18 +234,22 @@ class Preprocessor:
             raise SampleError("placeholder_mismatch", "the text itself contains image/video placeholder tokens")
         img_patches = [self._image_patches(ref) for ref in images]
         videos = [self._video(ref, rate) for ref, rate in zip(refs, fps, strict=True)]
-        compressed, vid_runs, vid_patches, shift = self._expand_videos(text, videos)
+        compressed, vid_runs, vid_patches, shift, run_starts = self._expand_videos(text, videos)
         enc = self.tokenizer(compressed, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
         starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
         repeats = np.ones(len(ids), dtype=np.int64)
-        for token, counts in ((self.image_id, [p // self.merge**2 for p in img_patches]), (self.video_id, vid_runs)):
-            where = np.flatnonzero(ids == token) if token is not None else np.zeros(0, np.int64)
-            if len(where) != len(counts):
+        # each placeholder token, in text order, is an image's or a video run's (GLM-V writes frames with the image
+        # token: the run's place tells them apart, not the id)
+        where = np.flatnonzero(np.isin(ids, [i for i in (self.image_id, self.video_id) if i is not None]))
+        in_video = np.isin(starts[where], run_starts)
+        for picked, counts in ((~in_video, [p // self.merge**2 for p in img_patches]), (in_video, vid_runs)):
+            if int(picked.sum()) != len(counts):
                 raise SampleError(
-                    "placeholder_mismatch", f"{len(where)} placeholder tokens after tokenizing, {len(counts)} expected"
+                    "placeholder_mismatch",
+                    f"{int(picked.sum())} placeholder tokens after tokenizing, {len(counts)} expected",
                 )
-            repeats[where] = counts
+            repeats[where[picked]] = counts
         vision = np.isin(ids, self.vision_ids)
         supervised = np.zeros(len(ids), dtype=bool)
         for a, b in [(shift(a), shift(b)) for a, b in spans] if spans is not None else [(0, len(compressed))]:
@@ -272,7 +284,9 @@ class Preprocessor:
         text = self.template.render(conv.messages, conv.tools)
         if self.train_on == "all":
             return text, None
-        return text, self.template.assistant_spans(text, conv.messages, supervised=lambda i: i >= first)
+        return self.template.closed(
+            text, self.template.assistant_spans(text, conv.messages, supervised=lambda i: i >= first)
+        )
 
     def _video(self, ref: Any, rate: float | None) -> _Video:
         """A video's plan from headers: a file's sampled frame indices, or pre-sampled frames taken at `rate`."""
@@ -286,17 +300,22 @@ class Preprocessor:
 
     def _expand_videos(
         self, text: str, videos: list[_Video]
-    ) -> tuple[str, list[int], tuple[list[int], list, list[int]], Any]:
-        """Replace each video placeholder by the processor's own expansion (Qwen3 adds timestamps), pad runs of one."""
+    ) -> tuple[str, list[int], tuple[list[int], list, list[int]], Any, list[int]]:
+        """Replace each video placeholder by the processor's own expansion (Qwen3 adds timestamps; GLM-V writes each
+        frame as an image with its timestamp), each placeholder run compressed to one token; also returns where those
+        compressed run tokens start in the output text."""
         if not videos:
-            return text, [], ([], [], []), lambda p: p
+            return text, [], ([], [], []), lambda p: p, []
         from transformers.video_utils import VideoMetadata
 
         # a row with videos reached here only with a video processor (`_video` refuses it before)
         assert self.sampling is not None and self.video_token is not None
 
-        pieces, runs, patches, ranges, edits, squares = [], [], [], [], [], []
+        pieces, runs, patches, ranges, edits, squares, run_starts = [], [], [], [], [], [], []
         pos, out_len = 0, 0
+        # a run of the video token (Qwen) or of the image token inside a video's expansion (GLM-V's frames)
+        tokens = [re.escape(t) for t in (self.video_token, self.image_token) if t]
+        run = "|".join(f"(?:{t})+" for t in tokens)
         for video in videos:
             grid_t, per_t = self.sampling.grid(video.frames, video.info.height, video.info.width)
             n = per_t * grid_t
@@ -305,11 +324,19 @@ class Preprocessor:
                 "video_metadata": [VideoMetadata(**video.metadata)],
             }
             repl = self.processor.replace_video_token(fake, 0)
-            runs += [len(r) // len(self.video_token) for r in re.findall(f"(?:{re.escape(self.video_token)})+", repl)]
-            repl = re.sub(f"(?:{re.escape(self.video_token)})+", self.video_token.replace("\\", r"\\"), repl)
+            found = [(m.group(0), m.start()) for m in re.finditer(run, repl)]
+            token_of = [self.video_token if r.startswith(self.video_token) else self.image_token for r, _ in found]
+            runs += [len(r) // len(t) for (r, _), t in zip(found, token_of, strict=True)]
+            pieces_of_repl, cursor = [], 0
             at = text.index(self.video_token, pos)
-            pieces += [text[pos:at], repl]
             out_len += at - pos
+            for (r, start), t in zip(found, token_of, strict=True):
+                pieces_of_repl.append(repl[cursor:start])
+                run_starts.append(out_len + sum(map(len, pieces_of_repl)))
+                pieces_of_repl.append(t)
+                cursor = start + len(r)
+            repl = "".join(pieces_of_repl) + repl[cursor:]
+            pieces += [text[pos:at], repl]
             ranges.append((out_len, out_len + len(repl)))
             edits.append((at + len(self.video_token), len(repl) - len(self.video_token)))
             out_len += len(repl)
@@ -321,6 +348,7 @@ class Preprocessor:
             runs,
             (patches, ranges, squares),
             lambda p: p + sum(d for e, d in edits if e <= p),
+            run_starts,
         )
 
     def _truncate(self, index: Any, repeats: np.ndarray, vision: np.ndarray, supervised: np.ndarray) -> int:

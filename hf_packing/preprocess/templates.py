@@ -20,6 +20,14 @@ and each assistant turn of a rendered row is the text from after a header to the
     <|im_start|>user\\nWhat?<|im_end|>\\n<|im_start|>assistant\\n<think>\\nr\\n</think>\\n\\nA dog.<|im_end|>\\n
                                                         └────────── supervised (labels) ──────────┘
 
+A template that writes nothing after an assistant turn (GLM-V: the next role token ends it) has no footer; then the
+turn ends at the first control token that can open what follows (the next user turn's, a tool turn's, the assistant
+header's: learned from the same probes, each one special token), which is supervised, and a last answer that ends
+the text gets the tokenizer's eos appended and supervised (`ChatRenderer.closed`)::
+
+    [gMASK]<sop><|user|>\nWhat?<|assistant|>\nA dog.<|user|>\nColour?<|assistant|>\nBrown.<|endoftext|>
+                                      └ supervised ┘                    └ supervised (eos appended) ┘
+
 A template without such markers (no header common to the three renders, no footer after the answer) is refused with
 a [`TemplateError`] naming it, when the source's preprocessor is built; a row whose rendering holds a different number
 of headers than assistant turns (a header written inside a message) is skipped (`"unlocated_assistant_turn"`), never
@@ -51,10 +59,17 @@ class TemplateError(ValueError):
 
 @dataclass(frozen=True)
 class TurnMarkers:
-    """What the template writes before (`header`) and after (`footer`) an assistant turn's body."""
+    """What the template writes before (`header`) and after (`footer`) an assistant turn's body.
+
+    A template that writes no footer (GLM: the next role token ends a turn) has ``footer == ""``; then ``stops`` are
+    the control tokens that open what may follow an answer (the next user turn's, a tool turn's, the assistant
+    header's first token), the first of which ends the turn and is supervised, and ``close`` (the tokenizer's eos)
+    is appended after a last answer that ends the text."""
 
     header: str
     footer: str
+    stops: tuple[str, ...] = ()
+    close: str = ""
 
 
 def _common_prefix(*texts: str) -> str:
@@ -148,12 +163,46 @@ class ChatRenderer:
         after_last = last[last.index(answer, len(header)) + len(answer) :]
         after_middle = middle[middle.index(answer, len(header)) + len(answer) :]
         footer = _common_prefix(after_last, after_middle).rstrip()
+        if not footer.strip() and not after_last.strip():
+            return self._footerless(header, after_middle, user)
         if not footer.strip() or header in footer:
             raise TemplateError(
                 f"{self.describe()} writes no end-of-turn marker after an assistant turn ({after_last!r}); its "
                 "assistant turns cannot be located (set train_on='all')"
             )
         return TurnMarkers(header, footer)
+
+    def _footerless(self, header: str, after_middle: str, user: dict[str, Any]) -> TurnMarkers:
+        """Markers of a template that writes nothing after an assistant turn (GLM-V): the turn ends at the control
+        token that opens what follows it, learned from the probe renders: the next user turn's (``after_middle``),
+        a tool turn's (when the template renders one) and the assistant header's. Each must be one special token of
+        the tokenizer, or the template is refused (the end of a turn could not be told from its text)."""
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        special = set(getattr(tokenizer, "all_special_tokens", ())) | set(tokenizer.get_added_vocab())
+        openers = [after_middle, header]
+        try:
+            tool = {"role": "tool", "content": _PROBES[0]}
+            turn = self.render([user, {"role": "assistant", "content": _PROBES[1]}, tool])
+            openers.append(turn[turn.index(_PROBES[1]) + len(_PROBES[1]) :])
+        except (SampleError, ValueError):  # a template without tool turns: user and assistant openers only
+            pass
+        stops = []
+        for opener in openers:
+            first = (tokenizer.tokenize(opener) or [""])[0]
+            if first not in special:
+                raise TemplateError(
+                    f"{self.describe()} writes no end-of-turn marker after an assistant turn and the next turn opens "
+                    f"with {opener[:40]!r}, not a special token; its assistant turns cannot be located (set "
+                    "train_on='all')"
+                )
+            stops.append(first)
+        close = tokenizer.eos_token or ""
+        if not close:
+            raise TemplateError(
+                f"{self.describe()} writes no end-of-turn marker after an assistant turn and the tokenizer has no eos "
+                "token to end the last one; set train_on='all'"
+            )
+        return TurnMarkers(header, "", tuple(dict.fromkeys(stops)), close)
 
     # ------------------------------------------------------------------------------------------------ spans
     def assistant_spans(
@@ -181,16 +230,30 @@ class ChatRenderer:
             )
         spans = []
         for k, (message_index, start) in enumerate(zip(turns, starts, strict=True)):
-            end = text.find(footer, start)
-            limit = starts[k + 1] - len(header) if k + 1 < len(starts) else len(text)
-            if end < 0 or end + len(footer) > limit:
-                raise SampleError(
-                    "unlocated_assistant_turn", f"assistant turn {k} has no end-of-turn marker {footer!r}"
-                )
+            if footer:
+                end = text.find(footer, start)
+                limit = starts[k + 1] - len(header) if k + 1 < len(starts) else len(text)
+                if end < 0 or end + len(footer) > limit:
+                    raise SampleError(
+                        "unlocated_assistant_turn", f"assistant turn {k} has no end-of-turn marker {footer!r}"
+                    )
+                stop = footer
+            else:  # no footer: the first stop token after the answer ends it (supervised), else the end of the text
+                found = [(at, s) for s in self.markers.stops if (at := text.find(s, start)) >= 0]
+                end, stop = min(found) if found else (len(text), "")
             if supervised is not None and not supervised(message_index):
                 continue
             if self.empty_thinking == "mask":
                 empty = _EMPTY_THINK.match(text, start, end)
                 start = empty.end() if empty else start
-            spans.append((start, end + len(footer)))
+            spans.append((start, end + len(stop)))
         return spans
+
+    def closed(self, text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]]]:
+        """``text`` and ``spans`` with the markers' ``close`` (the eos) appended and supervised when the last span
+        runs to the end of the text: a footer-less template leaves a last answer without any end, and a model
+        trained so would never learn to stop after it. Other templates: unchanged."""
+        close = self.markers.close
+        if not close or not spans or spans[-1][1] != len(text):
+            return text, spans
+        return text + close, [*spans[:-1], (spans[-1][0], len(text) + len(close))]

@@ -78,8 +78,15 @@ class VideoSampling:
             vp.fps, vp.num_frames = s.fps, None
         elif getattr(vp, "fps", None) is None and getattr(vp, "num_frames", None) is None:
             vp.fps = DEFAULT_FPS
-        vp.min_frames = vp.min_frames if s.min_frames is None else s.min_frames
-        vp.max_frames = vp.max_frames if s.max_frames is None else s.max_frames
+        for name in ("min_frames", "max_frames"):  # GLM-V's sampler has neither: its rule is fps over max_duration
+            value = getattr(s, name)
+            if value is not None and not hasattr(vp, name):
+                raise ValueError(
+                    f"videos_kwargs[{name!r}]: {type(vp).__name__} samples frames without it (fps or num_frames "
+                    "only); drop it"
+                )
+            if value is not None:
+                setattr(vp, name, value)
         if s.min_pixels is not None or s.max_pixels is not None:
             vp.size = type(vp.size)(
                 shortest_edge=vp.size["shortest_edge"] if s.min_pixels is None else s.min_pixels,

@@ -10,6 +10,10 @@ real ``*ForConditionalGeneration`` classes with tiny random weights.
 The token ids mirror Qwen's layout: ``BASE_VOCAB`` ordinary BPE tokens, then the Qwen special tokens in Qwen's order,
 so ``<|image_pad|>`` sits 12 ids after ``<|endoftext|>`` exactly as in the real vocabularies.
 
+The GLM-V families (``GLM_TYPES``: ``"glm4v"``, ``"glm4v_moe"``, ``"glm46v"``) get their own vocabulary (GLM-4's special
+tokens after the same BPE), their real processors (``Glm4vProcessor``, ``Glm46VProcessor``) and a chat template of
+GLM-4.1V's shape (the GLM block at the end of this module).
+
 ``transformers`` is imported inside functions only, so importing this module is cheap and side-effect free.
 """
 
@@ -22,6 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig, PreTrainedModel
 
 MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+#: the GLM-V families (GLM-4.1V, GLM-4.5V, GLM-4.6V): their own vocabulary, processor and template (see the GLM block)
+GLM_TYPES: tuple[str, ...] = ("glm4v", "glm4v_moe", "glm46v")
 
 BASE_VOCAB: int = 498
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -100,8 +106,10 @@ def _class(model_type: str, kind: str) -> Any:
     """Resolve `kind` ("Config", "ForConditionalGeneration", "Processor", "VideoProcessor") for a family."""
     import transformers
 
+    if model_type in _GLM_PREFIX:
+        return getattr(transformers, _GLM_PREFIX[model_type] + kind)
     if model_type not in _PREFIX:
-        raise ValueError(f"Unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}.")
+        raise ValueError(f"Unsupported model_type {model_type!r}; expected one of {MODEL_TYPES + GLM_TYPES}.")
     prefix = _PREFIX[model_type]
     if kind == "Processor":  # qwen3_vl_moe, qwen3_5 and qwen3_5_moe ship Qwen3VLProcessor
         prefix = "Qwen3VL" if model_type.startswith("qwen3") else prefix
@@ -129,6 +137,8 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     Returns:
         `PretrainedConfig`: the family's config class (e.g. `Qwen2VLConfig`).
     """
+    if model_type in GLM_TYPES:
+        return glm_tiny_config(model_type, **overrides)
     config_cls = _class(model_type, "Config")
     qwen3 = model_type.startswith("qwen3")
     eot, eos = TOKEN_IDS["<|endoftext|>"], TOKEN_IDS["<|im_end|>"]
@@ -311,6 +321,8 @@ def build_tiny_processor(model_type: str, save_dir: str | Path) -> Path:
     Returns:
         `Path`: `save_dir`, loadable offline with `AutoProcessor.from_pretrained`.
     """
+    if model_type in GLM_TYPES:
+        return build_glm_processor(model_type, save_dir)
     processor_cls, video_cls = _class(model_type, "Processor"), _class(model_type, "VideoProcessor")
     from transformers import Qwen2VLImageProcessor
 
@@ -405,10 +417,15 @@ def check_special_tokens(config: PretrainedConfig, processor_dir: str | Path | A
     tok = getattr(tok, "tokenizer", tok)
     text = config.get_text_config()
     pairs = {"vocab_size": (text.vocab_size, len(tok))}
-    for name in ("eos_token_id", "pad_token_id"):
-        pairs[name] = (getattr(text, name, None), getattr(tok, name))
-    for name, token in [("image", "image_pad"), ("video", "video_pad"), ("vision_start",) * 2, ("vision_end",) * 2]:
-        pairs[f"{name}_token_id"] = (getattr(config, f"{name}_token_id"), tok.convert_tokens_to_ids(f"<|{token}|>"))
+    if config.model_type in GLM_TYPES:
+        names = {f"{k}_token_id": v for k, v in _GLM_CONFIG_TOKENS.items()}
+        pairs.update({k: (getattr(config, k), tok.convert_tokens_to_ids(v)) for k, v in names.items()})
+        pairs["pad_token_id"] = (text.pad_token_id, tok.pad_token_id)
+    else:
+        for name in ("eos_token_id", "pad_token_id"):
+            pairs[name] = (getattr(text, name, None), getattr(tok, name))
+        for name, token in [("image", "image_pad"), ("video", "video_pad"), ("vision_start",) * 2, ("vision_end",) * 2]:
+            pairs[f"{name}_token_id"] = (getattr(config, f"{name}_token_id"), tok.convert_tokens_to_ids(f"<|{token}|>"))
     bad = {k: v for k, v in pairs.items() if v[0] != v[1]}
     if bad:
         raise ValueError(f"config/tokenizer mismatch (config, tokenizer): {bad}")
@@ -436,3 +453,210 @@ def save_tiny_checkpoint(model_type: str, out_dir: str | Path, seed: int = 0, **
     model = build_tiny_model(model_type, processor_dir=out_dir, seed=seed, **overrides)
     model.save_pretrained(str(out_dir))
     return out_dir
+
+
+# ---------------------------------------------------------------------------------------------------------- GLM-V
+# GLM-4.1V / GLM-4.5V / GLM-4.6V: their own special tokens (in GLM-4's order, after the ordinary BPE tokens), their
+# real processor classes (`Glm4vProcessor`, `Glm46VProcessor`) and a chat template of GLM-4.1V's shape:
+# ``[gMASK]<sop><|user|>\n...<|assistant|>\n...`` with no end-of-turn token after an assistant turn.
+
+_GLM_PREFIX = {"glm4v": "Glm4v", "glm4v_moe": "Glm4vMoe", "glm46v": "Glm46V"}
+GLM_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|image|>",
+    "<|video|>",
+    "<think>",
+    "</think>",
+)
+GLM_TOKEN_IDS: dict[str, int] = {tok: BASE_VOCAB + i for i, tok in enumerate(GLM_SPECIAL_TOKENS)}
+GLM_VOCAB_SIZE: int = BASE_VOCAB + len(GLM_SPECIAL_TOKENS)  # 516
+#: the config's ``<name>_token_id`` attributes and the tokens they name
+_GLM_CONFIG_TOKENS = {
+    "image": "<|image|>",
+    "video": "<|video|>",
+    "image_start": "<|begin_of_image|>",
+    "image_end": "<|end_of_image|>",
+    "video_start": "<|begin_of_video|>",
+    "video_end": "<|end_of_video|>",
+}
+
+# GLM-4.1V's shape: a ``[gMASK]<sop>`` prefix, role tokens that open each turn, images as
+# ``<|begin_of_image|><|image|><|end_of_image|>``, videos as ``<|begin_of_video|><|video|><|end_of_video|>``, an
+# earlier assistant turn's thinking dropped, and nothing written after an assistant turn: the next role token (or
+# the end of the text) ends it. Tool results are ``<|observation|>`` turns.
+GLM_CHAT_TEMPLATE = """\
+[gMASK]<sop>
+{%- for message in messages %}
+{%- if message['role'] == 'system' %}{{- '<|system|>\\n' }}
+{%- elif message['role'] == 'user' %}{{- '<|user|>\\n' }}
+{%- elif message['role'] == 'assistant' %}{{- '<|assistant|>\\n' }}
+{%- else %}{{- '<|observation|>\\n' }}
+{%- endif %}
+{%- if message['content'] is string %}
+{%- set text = message['content'] %}
+{%- if message['role'] == 'assistant' and '</think>' in text and not loop.last %}
+{%- set text = text.split('</think>')[-1].lstrip() %}
+{%- endif %}
+{{- text }}
+{%- else %}
+{%- for part in message['content'] or [] %}
+{%- set kind = part.get('type', '') %}
+{%- if kind in ('image', 'image_url') or 'image' in part or 'image_url' in part %}
+{{- '<|begin_of_image|><|image|><|end_of_image|>' }}
+{%- elif kind == 'video' or 'video' in part %}
+{{- '<|begin_of_video|><|video|><|end_of_video|>' }}
+{%- elif 'text' in part %}
+{{- part['text'] }}
+{%- endif %}
+{%- endfor %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|assistant|>\\n' }}
+{%- endif %}
+"""
+
+
+def glm_tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
+    """A tiny fp32 config of a GLM-V family (`tiny_config` for ``GLM_TYPES``).
+
+    Text: hidden 64, 2 layers, 2 heads of 32, 1 kv head, intermediate 128, the real ``partial_rotary_factor`` 0.5 and
+    M-RoPE over the rotated half (real head 128, mrope [8, 12, 12] -> [2, 3, 3]). GLM-4.5V: 4 routed experts of width
+    32, top-2, one shared expert, layer 0 dense (real ``first_k_dense_replace`` 1). Vision: depth 2, width 32, 2
+    heads, patch 14, merge 2, ``image_size`` 56 (a 4x4 table of learned position embeddings, interpolated bicubically
+    to each image's grid, as the real 336 px table is). Token ids match `build_glm_processor`'s tokenizer.
+    """
+    import transformers
+
+    config_cls = getattr(transformers, _GLM_PREFIX[model_type] + "Config")
+    eot = GLM_TOKEN_IDS["<|endoftext|>"]
+    stops = [eot, GLM_TOKEN_IDS["<|user|>"], GLM_TOKEN_IDS["<|observation|>"]]  # GLM's generation stops
+    text: dict[str, Any] = {
+        "vocab_size": GLM_VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 4096,
+        "pad_token_id": eot,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000.0,
+            "mrope_section": [2, 3, 3],
+            "partial_rotary_factor": 0.5,
+        },
+    }
+    if model_type == "glm4v_moe":
+        text.update(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            router_aux_loss_coef=0.001,
+        )
+    vision: dict[str, Any] = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "image_size": 56,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    text.update(overrides.pop("text_config", None) or {})
+    vision.update(overrides.pop("vision_config", None) or {})
+    ids = {f"{k}_token_id": GLM_TOKEN_IDS[v] for k, v in _GLM_CONFIG_TOKENS.items()}
+    kwargs: dict[str, Any] = {
+        "text_config": text,
+        "vision_config": vision,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+        **ids,
+    }
+    kwargs.update(overrides)
+    config = config_cls(**kwargs)
+    config.text_config.eos_token_id = stops
+    return config
+
+
+def _build_glm_tokenizer() -> Any:
+    """The tiny BPE wrapped in `PreTrainedTokenizerFast` (GLM's checkpoints load as ``TokenizersBackend``) with GLM's
+    special tokens and the GLM-4.1V-shaped template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab, merges = _train_tokenizer("qwen2_vl")
+    vocab = {k: v for k, v in vocab.items() if v < BASE_VOCAB}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    from tokenizers import Regex
+
+    regex = _tokenizer_module("qwen2_vl").PRETOKENIZE_REGEX
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GLM_SPECIAL_TOKENS])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=32768,
+        extra_special_tokens=list(GLM_SPECIAL_TOKENS[1:]),
+    )
+    fast.chat_template = GLM_CHAT_TEMPLATE
+    bad = {
+        t: fast.convert_tokens_to_ids(t)
+        for t in GLM_SPECIAL_TOKENS
+        if fast.convert_tokens_to_ids(t) != GLM_TOKEN_IDS[t]
+    }
+    if bad or len(fast) != GLM_VOCAB_SIZE:
+        raise RuntimeError(f"tiny GLM tokenizer ids drifted: {bad}, len={len(fast)}")
+    return fast
+
+
+def build_glm_processor(model_type: str, save_dir: str | Path) -> Path:
+    """`build_tiny_processor` for ``GLM_TYPES``: the family's real processor (`Glm4vProcessor`; `Glm46VProcessor`
+    for GLM-4.6V, whose frame timestamps read ``"0.0 seconds"`` where GLM-4.1V/4.5V write ``"0"``) around the tiny
+    GLM tokenizer, with `Glm4vImageProcessor` / `Glm4vVideoProcessor` (`Glm46V*` for GLM-4.6V) on small budgets:
+    images 2·56² .. 2·224² px (GLM counts the two temporal copies of an image), videos 2·56² .. 8·112² px over all
+    frames; the real frame sampling (``fps`` 2, which needs ``video_metadata``, or ``do_sample_frames=False``)."""
+    import transformers
+
+    prefix = "Glm46V" if model_type == "glm46v" else "Glm4v"
+    common: dict[str, Any] = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
+    image_processor = getattr(transformers, prefix + "ImageProcessor")(
+        size={"shortest_edge": 2 * 56 * 56, "longest_edge": 2 * 224 * 224}, **common
+    )
+    video_processor = getattr(transformers, prefix + "VideoProcessor")(
+        size={"shortest_edge": 2 * 56 * 56, "longest_edge": 8 * 112 * 112}, **common
+    )
+    processor = getattr(transformers, prefix + "Processor")(
+        image_processor=image_processor,
+        tokenizer=_build_glm_tokenizer(),
+        video_processor=video_processor,
+        chat_template=GLM_CHAT_TEMPLATE,
+    )
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    processor.save_pretrained(str(save_dir))
+    return save_dir
