@@ -15,8 +15,11 @@ Two accelerate defaults break packed batches silently or loudly:
 It also repairs resuming: transformers 5.23's ``Trainer._load_from_checkpoint`` loads ``model.safetensors``
 non-strictly and without key conversion, while ``save_pretrained`` writes Qwen-VL checkpoints in the
 original key layout (``model.layers.*``, ``visual.*``); only ``lm_head`` matches, so a resumed run silently
-keeps its initial weights (huggingface/transformers#43701). `reload_checkpoints_with_key_conversion` loads the
-checkpoint again through ``from_pretrained`` (the model's own conversion) and copies it in strictly.
+keeps its initial weights (huggingface/transformers#43701). ``Trainer._load_best_model`` (``load_best_model_at_end``)
+loads the same way: measured on a tiny Qwen2.5-VL, 1 of 57 tensors (``lm_head``) came from the best checkpoint and
+56 stayed at the last step's, and ``evaluate()`` reported neither loss. `reload_checkpoints_with_key_conversion`
+loads the checkpoint again after both, through ``from_pretrained`` (the model's own conversion), and copies it in
+strictly.
 
 Evaluation is token-level like training (`hf_packing.training.evaluation.token_level_evaluation`): ``eval_loss`` = Σ
 token CE / Σ supervised tokens over the whole eval set, whatever the packing, batch size or number of processes.
@@ -96,39 +99,62 @@ def _unsharded(get_dataloader: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def reload_checkpoints_with_key_conversion(trainer: Any) -> Any:
-    """After the Trainer's own checkpoint load, load full Qwen-VL weights again with key conversion, strictly.
+    """After each of the Trainer's own checkpoint loads, load full Qwen-VL weights again with key conversion, strictly.
 
-    Only for a plain (non-PEFT) model of a supported family and a checkpoint holding full ``model.safetensors``
-    weights; sharded FSDP / DeepSpeed checkpoints and adapters keep the Trainer's own path. Costs one extra
-    copy of the model in host memory, once, at resume. The Trainer's non-strict load before it lists the keys it
-    could not match ("missing keys" / "unexpected keys", on every rank); those lists are dropped when the exact
-    reload follows, and one line says what was reloaded instead. Returns ``trainer``.
+    Both loads transformers 5.23 does non-strictly without key conversion are covered: resuming
+    (``_load_from_checkpoint``: ``train(resume_from_checkpoint=path | True)``, also with ``model_init``) and
+    ``load_best_model_at_end`` (``_load_best_model``, at the end of ``train()``). Each reload targets the model
+    the Trainer holds at that moment (``model_init`` replaces it inside ``train()``).
+
+    Only for a plain (non-PEFT) model of a supported family, a checkpoint holding full ``model.safetensors`` weights,
+    and neither DeepSpeed nor FSDP: those engines load their own checkpoint files (saved under the runtime names, and
+    loaded strictly), and an adapter loads through PEFT's ``load_adapter`` under its runtime names; both keep the
+    Trainer's own path. Costs one extra copy of the model in host memory, once per load. The Trainer's non-strict
+    load before it lists the keys it could not match ("missing keys" / "unexpected keys", on every rank); those lists
+    are dropped when the exact reload follows, and one line says what was reloaded instead. Returns ``trainer``.
     """
-    original = trainer._load_from_checkpoint
+    load_from_checkpoint, load_best_model = trainer._load_from_checkpoint, trainer._load_best_model
 
     def _load_from_checkpoint(resume_from_checkpoint: str, model: Any = None) -> None:
-        target = model if model is not None else trainer.model
-        target = unwrap_model(target, peft=False)  # an adapter checkpoint keeps the Trainer's own load
-        checkpoint = Path(resume_from_checkpoint)
-        exact = _has_full_weights(target, checkpoint)
-        if exact:  # its key lists describe the non-strict load that the exact reload below replaces
-            trainer._issue_warnings_after_load = lambda load_result: None
-        try:
-            original(resume_from_checkpoint, model=model)
-        finally:
-            trainer.__dict__.pop("_issue_warnings_after_load", None)
-        if exact:
-            count = _reload_full_weights(target, checkpoint)
-            if trainer.is_world_process_zero():
-                logger.info(
-                    "resumed from %s: all %d weight tensors reloaded exactly (strict, with the model's own key "
-                    "conversion; transformers' non-strict load matched only part of them)",
-                    checkpoint,
-                    count,
-                )
+        _load_exactly(
+            trainer,
+            Path(resume_from_checkpoint),
+            model,
+            lambda: load_from_checkpoint(resume_from_checkpoint, model=model),
+            "resumed from",
+        )
+
+    def _load_best_model() -> None:
+        checkpoint = Path(trainer.state.best_model_checkpoint)
+        _load_exactly(trainer, checkpoint, None, load_best_model, "loaded the best checkpoint")
 
     trainer._load_from_checkpoint = _load_from_checkpoint
+    trainer._load_best_model = _load_best_model
     return trainer
+
+
+def _load_exactly(trainer: Any, checkpoint: Path, model: Any, load: Callable[[], None], what: str) -> None:
+    """Run the Trainer's own ``load``, then, where `_has_full_weights` applies, reload ``checkpoint`` exactly into
+    ``model`` (``trainer.model`` when None) without the non-strict load's key lists."""
+    target = unwrap_model(model if model is not None else trainer.model, peft=False)  # adapters: PEFT's own load
+    engine = getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)
+    exact = not engine and _has_full_weights(target, checkpoint)
+    if exact:  # its key lists describe the non-strict load that the exact reload below replaces
+        trainer._issue_warnings_after_load = lambda load_result: None
+    try:
+        load()
+    finally:
+        trainer.__dict__.pop("_issue_warnings_after_load", None)
+    if exact:
+        count = _reload_full_weights(target, checkpoint)
+        if trainer.is_world_process_zero():
+            logger.info(
+                "%s %s: all %d weight tensors reloaded exactly (strict, with the model's own key conversion; "
+                "transformers' non-strict load matched only part of them)",
+                what,
+                checkpoint,
+                count,
+            )
 
 
 def _has_full_weights(model: Any, checkpoint: Path) -> bool:
