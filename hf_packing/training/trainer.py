@@ -33,6 +33,11 @@ under several processes, and its ``eval_loss`` would miss their tokens (measured
 `~hf_packing.packing.dataset.PackedDataset.for_evaluation` view, which spreads them, also when the training set
 itself is evaluated.
 
+A ``data_collator`` of the user's around `VisionCollator` (a function that adds a key or logs) trains: nothing on a
+function tells which collator it calls, so `check_wrapped_collator` checks each batch it returns instead
+(`CheckedCollator`: the keys, shapes and counts the patched forward trusts must be `VisionCollator`'s), and a batch
+built otherwise stops before its step with the reason. transformers' and TRL's own collators are refused up front.
+
 Before any data is read, `check_setup` refuses what it can tell is wrong (collator, processor family, model type,
 attention implementation, packs per micro-batch), each error naming the setting. Forgetting `prepare_trainer` is
 loud too: the patched forward refuses packs from a loader it did not prepare (`hf_packing.patches.prepared`).
@@ -42,6 +47,7 @@ loud too: the patched forward refuses packs from a loader it did not prepare (`h
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -200,6 +206,55 @@ def refuse_liger_kernel(trainer: Any) -> Any:
     return trainer
 
 
+class CheckedCollator:
+    """The user's ``data_collator`` around `VisionCollator` (a function that adds a key or logs), each batch it returns
+    checked by `hf_packing.collator.batch_problem` in the DataLoader worker, before the step that would use it.
+
+    The patched forward trusts a `VisionCollator` batch's host values (boundaries, supervised-token count, vision
+    grids) without reading the device, and a function can hide which collator it calls, so the batch itself is
+    checked: its keys, shapes and counts must be what `VisionCollator` makes of it (O(tokens) on CPU, per batch).
+    ``.collator`` is the wrapped callable.
+    """
+
+    def __init__(self, collator: Callable[[Any], Any]) -> None:
+        self.collator = collator
+
+    def __call__(self, features: Any) -> Any:
+        from ..collator import batch_problem
+
+        batch = self.collator(features)
+        problem = batch_problem(batch)
+        if problem is not None:
+            name = getattr(self.collator, "__qualname__", type(self.collator).__name__)
+            raise ValueError(
+                f"the Trainer's data_collator ({name}) returned a batch that is not VisionCollator's as built: "
+                f"{problem}. The patched forward takes the sequence boundaries (seqlens), the loss's token count "
+                "(num_supervised_tokens) and the vision grids from VisionCollator's host values without reading "
+                "them back from the device, so they must match the tensors. A function around VisionCollator may add "
+                "keys ({**batch, 'my_key': ...}) or log, and may change the samples before calling it, not the "
+                "batch after; to build batches differently, subclass VisionCollator and start from "
+                "super().__call__(features). Otherwise pass data_collator=VisionCollator(processor, "
+                "model_config=model.config)"
+            )
+        return batch
+
+
+def check_wrapped_collator(trainer: Any) -> Any:
+    """Wrap a packed dataset's ``data_collator`` in `CheckedCollator` unless it is a `VisionCollator` itself (a
+    `VisionCollator`'s batches are consistent as built). Returns ``trainer``."""
+    from ..collator import VisionCollator
+
+    if _packed_sets(trainer) and not isinstance(trainer.data_collator, (VisionCollator, CheckedCollator)):
+        trainer.data_collator = CheckedCollator(trainer.data_collator)
+    return trainer
+
+
+def _library_collator(collator: Any) -> bool:
+    """Whether ``collator`` is defined by transformers, TRL or torch (so it builds its own batch, not ours)."""
+    module = collator.__module__ if inspect.isroutine(collator) else type(collator).__module__
+    return str(module).split(".")[0] in ("transformers", "trl", "torch")
+
+
 def _collators(collator: Any) -> list[Any]:
     """``collator`` and what it wraps (``.collator``, ``.data_collator``, ``__wrapped__``), outermost first."""
     found: list[Any] = []
@@ -219,7 +274,8 @@ def _packed_sets(trainer: Any) -> list[PackedDataset]:
 def check_setup(trainer: Any, telemetry_kwargs: dict[str, Any] | None = None) -> None:
     """Raise, before any data or step, for what `prepare_trainer` can tell is wrong; each error names the setting.
 
-    - packs from `pack_dataset` with another ``data_collator`` than `VisionCollator` (or a wrapper of one);
+    - packs from `pack_dataset` with transformers', TRL's or torch's own ``data_collator`` (a function of the user's
+      is checked on its batches instead: `check_wrapped_collator`);
     - the processor (`pack_dataset`'s, ``processing_class``) of another family than the model, or a tokenizer;
     - packs for a model type `apply_rmpad` does not support;
     - a patched model loaded with an attention implementation the patches do not route (``eager``, flex);
@@ -236,11 +292,12 @@ def check_setup(trainer: Any, telemetry_kwargs: dict[str, Any] | None = None) ->
     model = None if trainer.model is None else unwrap_model(trainer.model)
     config = getattr(model, "config", None)
     collators = _collators(trainer.data_collator)
-    if packs and not any(isinstance(c, VisionCollator) for c in collators):
+    if packs and not any(isinstance(c, VisionCollator) for c in collators) and _library_collator(collators[0]):
+        name = getattr(collators[0], "__qualname__", type(collators[0]).__name__)
         raise ValueError(
-            f"the Trainer's data_collator is {type(trainer.data_collator).__name__}, but its dataset is a "
-            "pack_dataset stream (each item a list of samples): pass data_collator=VisionCollator(processor, "
-            "model_config=model.config) to the Trainer"
+            f"the Trainer's data_collator is {name}, but its dataset is a pack_dataset stream (each item a list of "
+            "samples): pass data_collator=VisionCollator(processor, model_config=model.config) to the Trainer (or a "
+            "function of yours that returns VisionCollator's batch: prepare_trainer checks each batch it returns)"
         )
     if packs and config is not None and config.model_type not in supported_model_types():
         raise ValueError(
@@ -297,11 +354,10 @@ def track_training(trainer: Any) -> Any:
 
 
 def prepare_trainer(trainer: Any, *, telemetry: bool = True, **telemetry_kwargs: Any) -> Any:
-    """`check_setup`, `refuse_liger_kernel`, `keep_rank_packs`, `spread_eval_packs`, `no_dispatch`,
-    `reload_checkpoints_with_key_conversion`, `hf_packing.training.evaluation.token_level_evaluation`, `track_training`
-    and, unless ``telemetry=False``, `hf_packing.training.telemetry.add_telemetry` (``max_length`` defaults to the
-    packs').
-    Returns ``trainer``.
+    """`check_setup`, `refuse_liger_kernel`, `check_wrapped_collator`, `keep_rank_packs`, `spread_eval_packs`,
+    `no_dispatch`, `reload_checkpoints_with_key_conversion`, `hf_packing.training.evaluation.token_level_evaluation`,
+    `track_training` and, unless ``telemetry=False``, `hf_packing.training.telemetry.add_telemetry` (``max_length``
+    defaults to the packs'). Returns ``trainer``.
 
     Forgetting it is loud: a patched forward fed `pack_dataset`'s packs from a loader it did not prepare, or fed
     `VisionCollator` batches that accelerate dispatches, raises at the first step (`hf_packing.patches.prepared`)."""
@@ -309,6 +365,7 @@ def prepare_trainer(trainer: Any, *, telemetry: bool = True, **telemetry_kwargs:
 
     check_setup(trainer, telemetry_kwargs)
     refuse_liger_kernel(trainer)
+    check_wrapped_collator(trainer)
     keep_rank_packs(trainer)
     spread_eval_packs(trainer)  # wraps keep_rank_packs' loaders: the view is unsharded too
     no_dispatch(trainer)
