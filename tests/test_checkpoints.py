@@ -191,3 +191,28 @@ def test_resume_from_the_last_checkpoint_of_the_output_dir_loads_every_tensor(tm
         f"tensors equal to checkpoint-{STEPS}'s file as the loop starts: prepared {loaded[True]}, plain {loaded[False]}"
     )
     assert loaded[True] == len(saved) and loaded[False] < len(saved)
+
+
+def test_a_sharded_best_checkpoint_loads_every_tensor(tmp_path):
+    """A checkpoint in several safetensors shards (``model.safetensors.index.json``, as large models are saved):
+    transformers' ``_load_best_model`` takes its ``load_sharded_checkpoint(strict=False)`` branch, equally without key
+    conversion. Prepared, every tensor equals the shards' own files; plain, not."""
+    import json
+
+    checkpoint = tmp_path / "checkpoint-7"
+    build_tiny_model(MODEL_TYPE, seed=1).save_pretrained(checkpoint, max_shard_size="200KB")
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    saved = {_runtime_name(k): v for shard in shards for k, v in load_file(checkpoint / shard).items()}
+    assert len(shards) > 1
+    loaded = {}
+    for prepared in (True, False):
+        model = _model()
+        trainer = Trainer(model=model, args=sgd_training_args(tmp_path / "out"))
+        if prepared:
+            prepare_trainer(trainer, telemetry=False)
+        trainer.state.best_model_checkpoint = str(checkpoint)
+        trainer._load_best_model()
+        loaded[prepared] = _matching(model, saved)
+    print(f"tensors equal to the {len(shards)} shards: prepared {loaded[True]}, plain {loaded[False]} of {len(saved)}")
+    assert loaded[True] == len(saved) and loaded[False] < len(saved)
