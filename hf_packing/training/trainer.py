@@ -16,10 +16,10 @@ It also repairs resuming: transformers 5.23's ``Trainer._load_from_checkpoint`` 
 non-strictly and without key conversion, while ``save_pretrained`` writes Qwen-VL checkpoints in the
 original key layout (``model.layers.*``, ``visual.*``); only ``lm_head`` matches, so a resumed run silently
 keeps its initial weights (huggingface/transformers#43701). ``Trainer._load_best_model`` (``load_best_model_at_end``)
-loads the same way: measured on a tiny Qwen2.5-VL, 1 of 57 tensors (``lm_head``) came from the best checkpoint and
-56 stayed at the last step's, and ``evaluate()`` reported neither loss. `reload_checkpoints_with_key_conversion`
-loads the checkpoint again after both, through ``from_pretrained`` (the model's own conversion), and copies it in
-strictly.
+loads the same way: only ``lm_head`` comes from the best checkpoint (tests/test_checkpoints.py: 26 of the 27 tensors
+training had moved stayed at the last step's), and ``evaluate()`` reports neither the best loss nor the last.
+`reload_checkpoints_with_key_conversion` loads the checkpoint again after both, through ``from_pretrained`` (the
+model's own conversion), and copies it in strictly.
 
 Evaluation is token-level like training (`hf_packing.training.evaluation.token_level_evaluation`): ``eval_loss`` = Σ
 token CE / Σ supervised tokens over the whole eval set, whatever the packing, batch size or number of processes.
