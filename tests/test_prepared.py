@@ -194,6 +194,16 @@ def test_a_function_returning_a_batch_vision_collator_did_not_build_is_refused(t
     assert all(torch.equal(p, before[n]) for n, p in _weights(model).items())
 
 
+def test_a_batch_checked_in_a_dataloader_worker_stops_the_run_with_its_reason(tmp_path):
+    """With ``dataloader_num_workers=1`` the check runs where the batch is built, in the worker; its error reaches
+    ``train()`` (as torch re-raises a worker's exception) before any step."""
+    model = _model()
+    trainer = prepare_trainer(_trainer(tmp_path, model, _packs(), collator=_one_row, dataloader_num_workers=1))
+    with pytest.raises(ValueError, match=r"has no \['seqlens', 'num_supervised_tokens'\]") as error:
+        trainer.train()
+    assert "DataLoader worker" in str(error.value) and trainer.state.global_step == 0
+
+
 @pytest.mark.parametrize("mode", ["rows", "flat"])
 def test_batch_problem_finds_nothing_in_vision_collators_own_batches(mode):
     """The check passes every batch `VisionCollator` builds (images, a video, M-RoPE positions, both modes) and finds
