@@ -336,3 +336,64 @@ def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths).cumsum(0)
     return cu
+
+
+def batch_problem(batch: Any) -> str | None:
+    """What in ``batch`` contradicts the host facts `VisionCollator` put in it, or None for a consistent batch.
+
+    The patched forward trusts a `VisionCollator` batch's host values (``seqlens`` for the boundaries,
+    ``num_supervised_tokens`` for the loss, ``vision_grids`` for the vision tower) without reading the device, so a
+    function that wraps the collator must hand them on consistent with the tensors. Checked here, on the host, in the
+    DataLoader worker (O(tokens) integer work on CPU tensors): the keys are there; ``labels``, ``attention_mask``,
+    ``mm_token_type_ids`` and ``position_ids`` have the shape of ``input_ids``; ``seqlens`` equals the mask's row
+    lengths (``"rows"``: one sample per row) or covers the one flat row and equals ``cu_seq_lens_q`` (``"flat"``);
+    ``cu_seqlens`` matches ``seqlens``; ``num_supervised_tokens`` counts the labels other than -100; ``vision_grids``
+    lists ``image_grid_thw`` then ``video_grid_thw``; ``source_ids`` has one entry per sequence. Extra keys are fine.
+
+    Args:
+        batch (`Mapping[str, Any]`): what the data collator returned (CPU tensors).
+
+    Returns:
+        `str | None`: the first inconsistency found, worded for an error message.
+    """
+    if not isinstance(batch, Mapping):
+        return f"it is a {type(batch).__name__}, not a dict of tensors"
+    missing = [k for k in ("input_ids", "labels", "seqlens", "num_supervised_tokens") if k not in batch]
+    if missing:
+        return f"it has no {missing} (VisionCollator's batches always carry them)"
+    ids, labels, seqlens = batch["input_ids"], batch["labels"], batch["seqlens"]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return f"input_ids is not a (B, L) tensor but {type(ids).__name__} {tuple(getattr(ids, 'shape', ()))}"
+    for key in ("labels", "attention_mask", "mm_token_type_ids"):
+        value = batch.get(key)
+        if value is not None and tuple(value.shape) != tuple(ids.shape):
+            return f"{key} has shape {tuple(value.shape)}, input_ids {tuple(ids.shape)}"
+    positions = batch.get("position_ids")
+    if positions is not None and tuple(positions.shape[-2:]) != tuple(ids.shape):
+        return f"position_ids has shape {tuple(positions.shape)}, input_ids {tuple(ids.shape)}"
+    lengths = [int(n) for n in seqlens]
+    if "cu_seq_lens_q" in batch:  # mode="flat": one row, no padding
+        if ids.shape[0] != 1 or sum(lengths) != ids.shape[1]:
+            return f"seqlens sums to {sum(lengths)} tokens, but input_ids is {tuple(ids.shape)} (one flat row)"
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            if batch.get(key) is not None and batch[key].tolist() != _cu_seqlens(lengths).tolist():
+                return f"{key} {batch[key].tolist()} does not match seqlens {lengths}"
+    else:  # mode="rows": one sample per padded row
+        mask = batch.get("attention_mask")
+        if mask is None:
+            return "it has seqlens but neither an attention_mask (mode='rows') nor cu_seq_lens_q (mode='flat')"
+        if mask.sum(-1).tolist() != lengths:
+            return f"seqlens {lengths} differs from the attention_mask's row lengths {mask.sum(-1).tolist()}"
+        if batch.get("cu_seqlens") is not None and batch["cu_seqlens"].tolist() != _cu_seqlens(lengths).tolist():
+            return f"cu_seqlens {batch['cu_seqlens'].tolist()} does not match seqlens {lengths}"
+    supervised = int((labels != IGNORE_INDEX).sum())
+    if int(batch["num_supervised_tokens"]) != supervised:
+        return f"num_supervised_tokens is {int(batch['num_supervised_tokens'])}, but {supervised} labels are not -100"
+    grids = [batch[k] for k in ("image_grid_thw", "video_grid_thw") if batch.get(k) is not None]
+    expected = torch.cat([torch.as_tensor(g) for g in grids]).tolist() if grids else None
+    if batch.get("vision_grids") != expected:
+        return f"vision_grids {batch.get('vision_grids')} differs from image_grid_thw then video_grid_thw {expected}"
+    sources = batch.get("source_ids")
+    if sources is not None and len(sources) != len(lengths):
+        return f"source_ids has {len(sources)} entries for {len(lengths)} sequences"
+    return None

@@ -17,6 +17,8 @@ CONFIG.json (written by the test):
     unprepared_first  first train a Trainer without `prepare_trainer` (dispatching off, as recipes/README.md lists),
                   which must stop at its first step; its error goes to rank{r}.json's `unprepared_error`
     pg_timeout    process-group timeout in seconds (a rank waiting in a collective fails after it)
+    best          evaluate and save every step, `load_best_model_at_end` with step 1 the best (its metric is the
+                  step, lower is better); rank{r}.json's `final_eval` is `evaluate()`'s eval_loss after train()
 
 rank{r}.json: `global_step`; `collated` (per collator call: the samples' `index` and a hash of the batch);
 `trained` (per training micro-batch, as `compute_loss` sees it: the step, the batch hash, the loss, whether it
@@ -87,6 +89,18 @@ def main() -> None:
         if config.get("fsdp")
         else {}
     )
+    best = (
+        {
+            "eval_strategy": "steps",
+            "eval_steps": 1,
+            "per_device_eval_batch_size": 1,
+            "load_best_model_at_end": True,
+            "metric_for_best_model": "order",
+            "greater_is_better": False,
+        }
+        if config.get("best")
+        else {}
+    )
     args = TrainingArguments(
         output_dir=config["output_dir"],
         use_cpu=True,
@@ -111,6 +125,7 @@ def main() -> None:
         ignore_data_skip=bool(config.get("stateful") and config.get("resume")),
         disable_tqdm=True,
         **fsdp,
+        **best,
     )
     rank, world = args.process_index, args.world_size
     assert world == 2 and torch.distributed.is_initialized(), (world, rank)
@@ -176,12 +191,24 @@ def main() -> None:
         fresh = pack_dataset(ds, processor, max_length=config["max_length"], disable_progress=True, **split)
         unprepared_error = train_without_prepare_trainer(model, args, fresh, VisionCollator(processor))
 
+    class StepOneIsBest(TrainerCallback):  # `best`: each evaluation's metrics get the step, lower is better
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            metrics["eval_order"] = state.global_step
+
+    callbacks = [SaveLoaderState()] if config.get("stateful") else []
+    callbacks += [StepOneIsBest()] if config.get("best") else []
+    eval_packs = (
+        pack_dataset(ds, processor, max_length=config["max_length"], disable_progress=True, **split)
+        if config.get("best")
+        else None
+    )
     trainer = RecordingTrainer(
         model=model,
         args=args,
         train_dataset=packs,
+        eval_dataset=eval_packs,
         data_collator=collator,
-        callbacks=[SaveLoaderState()] if config.get("stateful") else None,
+        callbacks=callbacks or None,
     )
     prepare_trainer(trainer, max_length=config["max_length"], all_reduce=config.get("telemetry_all_reduce", True))
     if config.get("stateful"):
@@ -196,11 +223,13 @@ def main() -> None:
         "max_steps": args.max_steps,
         "collated": collator.calls,
         "trained": trained,
-        "log_history": trainer.state.log_history,
+        "log_history": list(trainer.state.log_history),  # a copy: `final_eval` below logs once more
         "stats": packs.stats(log=False),
         "unprepared_error": unprepared_error,
         "fsdp_version": getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", None),
         "sharded": type(next(trainer.model.parameters())).__name__,
+        "best_model_checkpoint": trainer.state.best_model_checkpoint,
+        "final_eval": trainer.evaluate()["eval_loss"] if config.get("best") else None,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     hf_packing.end_distributed()  # barrier, gc, destroy_process_group: no abort at interpreter exit

@@ -125,6 +125,102 @@ def test_prepare_trainer_accepts_a_wrapped_vision_collator(tmp_path):
     prepare_trainer(_trainer(tmp_path, model, packs, collator=Recording(VisionCollator(packs.processor))))
 
 
+def _losses_and_weights(trainer) -> tuple[list[float], dict[str, torch.Tensor]]:
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], _weights(trainer.model)
+
+
+def test_a_function_around_vision_collator_trains_exactly_like_it(tmp_path):
+    """A function that calls `VisionCollator`, logs and adds a key (a closure: nothing on it names the collator) is
+    accepted, and each batch it returns is checked (`hf_packing.collator.batch_problem`): 2 SGD steps give the same
+    losses and weights as `VisionCollator` passed itself."""
+    packs = _packs()
+    collator = VisionCollator(packs.processor)
+    calls: list[int] = []
+
+    def tagged(features):
+        batch = collator(features)
+        calls.append(len(batch["seqlens"]))
+        return {**batch, "my_batch_index": len(calls)}
+
+    torch.manual_seed(0)
+    wrapped = _losses_and_weights(prepare_trainer(_trainer(tmp_path / "a", _model(), packs, collator=tagged)))
+    torch.manual_seed(0)
+    plain = _losses_and_weights(prepare_trainer(_trainer(tmp_path / "b", _model(), _packs(), collator=collator)))
+    assert len(calls) >= 2 and wrapped[0] == plain[0] and len(wrapped[0]) == 2  # accelerate reads one batch ahead
+    assert all(torch.equal(p, plain[1][n]) for n, p in wrapped[1].items())
+
+
+def _one_row(features):  # the user's own collator: each pack concatenated into one unpadded row
+    ids = torch.cat([torch.as_tensor(s["input_ids"]) for pack in features for s in pack])[None]
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ("own batch", r"has no \['seqlens', 'num_supervised_tokens'\]"),
+        ("labels masked after", r"num_supervised_tokens is \d+, but \d+ labels are not -100"),
+        ("columns cut after", r"seqlens \[\d+.*\] differs from the attention_mask's row lengths"),
+    ],
+)
+def test_a_function_returning_a_batch_vision_collator_did_not_build_is_refused(tmp_path, change, match):
+    """A function whose batch contradicts the host facts the patched forward trusts (sequence boundaries, the loss's
+    token count) stops before the first step, and the error says why and to subclass `VisionCollator`. The passing
+    wrapper above is the control: `VisionCollator`'s own batch with a key added passes the same check."""
+    packs = _packs()
+    collator = VisionCollator(packs.processor)
+
+    def changed(features):
+        if change == "own batch":
+            return _one_row(features)
+        batch = collator(features)
+        if change == "labels masked after":  # the first answer token of row 0 no longer trains
+            batch["labels"][0, (batch["labels"][0] != -100).nonzero()[0]] = -100
+        else:
+            batch = {
+                **batch,
+                **{k: batch[k][:, :8] for k in ("input_ids", "labels", "attention_mask", "mm_token_type_ids")},
+            }
+        return batch
+
+    model = _model()
+    before = _weights(model)
+    trainer = prepare_trainer(_trainer(tmp_path, model, packs, collator=changed))
+    with pytest.raises(ValueError, match=match) as error:
+        trainer.train()
+    print(error.value)
+    assert "subclass VisionCollator" in str(error.value) and trainer.state.global_step == 0
+    assert all(torch.equal(p, before[n]) for n, p in _weights(model).items())
+
+
+def test_a_batch_checked_in_a_dataloader_worker_stops_the_run_with_its_reason(tmp_path):
+    """With ``dataloader_num_workers=1`` the check runs where the batch is built, in the worker; its error reaches
+    ``train()`` (as torch re-raises a worker's exception) before any step."""
+    model = _model()
+    trainer = prepare_trainer(_trainer(tmp_path, model, _packs(), collator=_one_row, dataloader_num_workers=1))
+    with pytest.raises(ValueError, match=r"has no \['seqlens', 'num_supervised_tokens'\]") as error:
+        trainer.train()
+    assert "DataLoader worker" in str(error.value) and trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize("mode", ["rows", "flat"])
+def test_batch_problem_finds_nothing_in_vision_collators_own_batches(mode):
+    """The check passes every batch `VisionCollator` builds (images, a video, M-RoPE positions, both modes) and finds
+    a boundary moved by one token."""
+    from hf_packing.collator import batch_problem
+
+    processor = load_processor("qwen2_5_vl")
+    batch = VisionCollator(processor, mode=mode, model_config=tiny_config("qwen2_5_vl"), return_cu_seqlens=True)(
+        [processed_samples(processor)]
+    )
+    assert "vision_grids" in batch and batch_problem(batch) is None
+    key = "cu_seq_lens_q" if mode == "flat" else "cu_seqlens"
+    batch[key] = batch[key].clone()
+    batch[key][1] += 1
+    assert f"{key} " in (batch_problem(batch) or "")
+
+
 def test_processor_of_another_family_is_refused_up_front(tmp_path):
     """A Qwen3-VL processor (16-px patches) with a Qwen2.5-VL model (14-px): before, `shape '[-1, 3, 2, 14, 14]' is
     invalid` deep in the vision tower at the first step."""

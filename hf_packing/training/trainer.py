@@ -15,8 +15,11 @@ Two accelerate defaults break packed batches silently or loudly:
 It also repairs resuming: transformers 5.23's ``Trainer._load_from_checkpoint`` loads ``model.safetensors``
 non-strictly and without key conversion, while ``save_pretrained`` writes Qwen-VL checkpoints in the
 original key layout (``model.layers.*``, ``visual.*``); only ``lm_head`` matches, so a resumed run silently
-keeps its initial weights (huggingface/transformers#43701). `reload_checkpoints_with_key_conversion` loads the
-checkpoint again through ``from_pretrained`` (the model's own conversion) and copies it in strictly.
+keeps its initial weights (huggingface/transformers#43701). ``Trainer._load_best_model`` (``load_best_model_at_end``)
+loads the same way: only ``lm_head`` comes from the best checkpoint (tests/test_checkpoints.py: 26 of the 27 tensors
+training had moved stayed at the last step's), and ``evaluate()`` reports neither the best loss nor the last.
+`reload_checkpoints_with_key_conversion` loads the checkpoint again after both, through ``from_pretrained`` (the
+model's own conversion), and copies it in strictly.
 
 Evaluation is token-level like training (`hf_packing.training.evaluation.token_level_evaluation`): ``eval_loss`` = Σ
 token CE / Σ supervised tokens over the whole eval set, whatever the packing, batch size or number of processes.
@@ -30,6 +33,11 @@ under several processes, and its ``eval_loss`` would miss their tokens (measured
 `~hf_packing.packing.dataset.PackedDataset.for_evaluation` view, which spreads them, also when the training set
 itself is evaluated.
 
+A ``data_collator`` of the user's around `VisionCollator` (a function that adds a key or logs) trains: nothing on a
+function tells which collator it calls, so `check_wrapped_collator` checks each batch it returns instead
+(`CheckedCollator`: the keys, shapes and counts the patched forward trusts must be `VisionCollator`'s), and a batch
+built otherwise stops before its step with the reason. transformers' and TRL's own collators are refused up front.
+
 Before any data is read, `check_setup` refuses what it can tell is wrong (collator, processor family, model type,
 attention implementation, packs per micro-batch), each error naming the setting. Forgetting `prepare_trainer` is
 loud too: the patched forward refuses packs from a loader it did not prepare (`hf_packing.patches.prepared`).
@@ -39,6 +47,7 @@ loud too: the patched forward refuses packs from a loader it did not prepare (`h
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -96,39 +105,62 @@ def _unsharded(get_dataloader: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def reload_checkpoints_with_key_conversion(trainer: Any) -> Any:
-    """After the Trainer's own checkpoint load, load full Qwen-VL weights again with key conversion, strictly.
+    """After each of the Trainer's own checkpoint loads, load full Qwen-VL weights again with key conversion, strictly.
 
-    Only for a plain (non-PEFT) model of a supported family and a checkpoint holding full ``model.safetensors``
-    weights; sharded FSDP / DeepSpeed checkpoints and adapters keep the Trainer's own path. Costs one extra
-    copy of the model in host memory, once, at resume. The Trainer's non-strict load before it lists the keys it
-    could not match ("missing keys" / "unexpected keys", on every rank); those lists are dropped when the exact
-    reload follows, and one line says what was reloaded instead. Returns ``trainer``.
+    Both loads transformers 5.23 does non-strictly without key conversion are covered: resuming
+    (``_load_from_checkpoint``: ``train(resume_from_checkpoint=path | True)``, also with ``model_init``) and
+    ``load_best_model_at_end`` (``_load_best_model``, at the end of ``train()``). Each reload targets the model
+    the Trainer holds at that moment (``model_init`` replaces it inside ``train()``).
+
+    Only for a plain (non-PEFT) model of a supported family, a checkpoint holding full ``model.safetensors`` weights,
+    and neither DeepSpeed nor FSDP: those engines load their own checkpoint files (saved under the runtime names, and
+    loaded strictly), and an adapter loads through PEFT's ``load_adapter`` under its runtime names; both keep the
+    Trainer's own path. Costs one extra copy of the model in host memory, once per load. The Trainer's non-strict
+    load before it lists the keys it could not match ("missing keys" / "unexpected keys", on every rank); those lists
+    are dropped when the exact reload follows, and one line says what was reloaded instead. Returns ``trainer``.
     """
-    original = trainer._load_from_checkpoint
+    load_from_checkpoint, load_best_model = trainer._load_from_checkpoint, trainer._load_best_model
 
     def _load_from_checkpoint(resume_from_checkpoint: str, model: Any = None) -> None:
-        target = model if model is not None else trainer.model
-        target = unwrap_model(target, peft=False)  # an adapter checkpoint keeps the Trainer's own load
-        checkpoint = Path(resume_from_checkpoint)
-        exact = _has_full_weights(target, checkpoint)
-        if exact:  # its key lists describe the non-strict load that the exact reload below replaces
-            trainer._issue_warnings_after_load = lambda load_result: None
-        try:
-            original(resume_from_checkpoint, model=model)
-        finally:
-            trainer.__dict__.pop("_issue_warnings_after_load", None)
-        if exact:
-            count = _reload_full_weights(target, checkpoint)
-            if trainer.is_world_process_zero():
-                logger.info(
-                    "resumed from %s: all %d weight tensors reloaded exactly (strict, with the model's own key "
-                    "conversion; transformers' non-strict load matched only part of them)",
-                    checkpoint,
-                    count,
-                )
+        _load_exactly(
+            trainer,
+            Path(resume_from_checkpoint),
+            model,
+            lambda: load_from_checkpoint(resume_from_checkpoint, model=model),
+            "resumed from",
+        )
+
+    def _load_best_model() -> None:
+        checkpoint = Path(trainer.state.best_model_checkpoint)
+        _load_exactly(trainer, checkpoint, None, load_best_model, "loaded the best checkpoint")
 
     trainer._load_from_checkpoint = _load_from_checkpoint
+    trainer._load_best_model = _load_best_model
     return trainer
+
+
+def _load_exactly(trainer: Any, checkpoint: Path, model: Any, load: Callable[[], None], what: str) -> None:
+    """Run the Trainer's own ``load``, then, where `_has_full_weights` applies, reload ``checkpoint`` exactly into
+    ``model`` (``trainer.model`` when None) without the non-strict load's key lists."""
+    target = unwrap_model(model if model is not None else trainer.model, peft=False)  # adapters: PEFT's own load
+    engine = getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)
+    exact = not engine and _has_full_weights(target, checkpoint)
+    if exact:  # its key lists describe the non-strict load that the exact reload below replaces
+        trainer._issue_warnings_after_load = lambda load_result: None
+    try:
+        load()
+    finally:
+        trainer.__dict__.pop("_issue_warnings_after_load", None)
+    if exact:
+        count = _reload_full_weights(target, checkpoint)
+        if trainer.is_world_process_zero():
+            logger.info(
+                "%s %s: all %d weight tensors reloaded exactly (strict, with the model's own key conversion; "
+                "transformers' non-strict load matched only part of them)",
+                what,
+                checkpoint,
+                count,
+            )
 
 
 def _has_full_weights(model: Any, checkpoint: Path) -> bool:
@@ -174,6 +206,55 @@ def refuse_liger_kernel(trainer: Any) -> Any:
     return trainer
 
 
+class CheckedCollator:
+    """The user's ``data_collator`` around `VisionCollator` (a function that adds a key or logs), each batch it returns
+    checked by `hf_packing.collator.batch_problem` in the DataLoader worker, before the step that would use it.
+
+    The patched forward trusts a `VisionCollator` batch's host values (boundaries, supervised-token count, vision
+    grids) without reading the device, and a function can hide which collator it calls, so the batch itself is
+    checked: its keys, shapes and counts must be what `VisionCollator` makes of it (O(tokens) on CPU, per batch).
+    ``.collator`` is the wrapped callable.
+    """
+
+    def __init__(self, collator: Callable[[Any], Any]) -> None:
+        self.collator = collator
+
+    def __call__(self, features: Any) -> Any:
+        from ..collator import batch_problem
+
+        batch = self.collator(features)
+        problem = batch_problem(batch)
+        if problem is not None:
+            name = getattr(self.collator, "__qualname__", type(self.collator).__name__)
+            raise ValueError(
+                f"the Trainer's data_collator ({name}) returned a batch that is not VisionCollator's as built: "
+                f"{problem}. The patched forward takes the sequence boundaries (seqlens), the loss's token count "
+                "(num_supervised_tokens) and the vision grids from VisionCollator's host values without reading "
+                "them back from the device, so they must match the tensors. A function around VisionCollator may add "
+                "keys ({**batch, 'my_key': ...}) or log, and may change the samples before calling it, not the "
+                "batch after; to build batches differently, subclass VisionCollator and start from "
+                "super().__call__(features). Otherwise pass data_collator=VisionCollator(processor, "
+                "model_config=model.config)"
+            )
+        return batch
+
+
+def check_wrapped_collator(trainer: Any) -> Any:
+    """Wrap a packed dataset's ``data_collator`` in `CheckedCollator` unless it is a `VisionCollator` itself (a
+    `VisionCollator`'s batches are consistent as built). Returns ``trainer``."""
+    from ..collator import VisionCollator
+
+    if _packed_sets(trainer) and not isinstance(trainer.data_collator, (VisionCollator, CheckedCollator)):
+        trainer.data_collator = CheckedCollator(trainer.data_collator)
+    return trainer
+
+
+def _library_collator(collator: Any) -> bool:
+    """Whether ``collator`` is defined by transformers, TRL or torch (so it builds its own batch, not ours)."""
+    module = collator.__module__ if inspect.isroutine(collator) else type(collator).__module__
+    return str(module).split(".")[0] in ("transformers", "trl", "torch")
+
+
 def _collators(collator: Any) -> list[Any]:
     """``collator`` and what it wraps (``.collator``, ``.data_collator``, ``__wrapped__``), outermost first."""
     found: list[Any] = []
@@ -193,7 +274,8 @@ def _packed_sets(trainer: Any) -> list[PackedDataset]:
 def check_setup(trainer: Any, telemetry_kwargs: dict[str, Any] | None = None) -> None:
     """Raise, before any data or step, for what `prepare_trainer` can tell is wrong; each error names the setting.
 
-    - packs from `pack_dataset` with another ``data_collator`` than `VisionCollator` (or a wrapper of one);
+    - packs from `pack_dataset` with transformers', TRL's or torch's own ``data_collator`` (a function of the user's
+      is checked on its batches instead: `check_wrapped_collator`);
     - the processor (`pack_dataset`'s, ``processing_class``) of another family than the model, or a tokenizer;
     - packs for a model type `apply_rmpad` does not support;
     - a patched model loaded with an attention implementation the patches do not route (``eager``, flex);
@@ -210,11 +292,12 @@ def check_setup(trainer: Any, telemetry_kwargs: dict[str, Any] | None = None) ->
     model = None if trainer.model is None else unwrap_model(trainer.model)
     config = getattr(model, "config", None)
     collators = _collators(trainer.data_collator)
-    if packs and not any(isinstance(c, VisionCollator) for c in collators):
+    if packs and not any(isinstance(c, VisionCollator) for c in collators) and _library_collator(collators[0]):
+        name = getattr(collators[0], "__qualname__", type(collators[0]).__name__)
         raise ValueError(
-            f"the Trainer's data_collator is {type(trainer.data_collator).__name__}, but its dataset is a "
-            "pack_dataset stream (each item a list of samples): pass data_collator=VisionCollator(processor, "
-            "model_config=model.config) to the Trainer"
+            f"the Trainer's data_collator is {name}, but its dataset is a pack_dataset stream (each item a list of "
+            "samples): pass data_collator=VisionCollator(processor, model_config=model.config) to the Trainer (or a "
+            "function of yours that returns VisionCollator's batch: prepare_trainer checks each batch it returns)"
         )
     if packs and config is not None and config.model_type not in supported_model_types():
         raise ValueError(
@@ -271,11 +354,10 @@ def track_training(trainer: Any) -> Any:
 
 
 def prepare_trainer(trainer: Any, *, telemetry: bool = True, **telemetry_kwargs: Any) -> Any:
-    """`check_setup`, `refuse_liger_kernel`, `keep_rank_packs`, `spread_eval_packs`, `no_dispatch`,
-    `reload_checkpoints_with_key_conversion`, `hf_packing.training.evaluation.token_level_evaluation`, `track_training`
-    and, unless ``telemetry=False``, `hf_packing.training.telemetry.add_telemetry` (``max_length`` defaults to the
-    packs').
-    Returns ``trainer``.
+    """`check_setup`, `refuse_liger_kernel`, `check_wrapped_collator`, `keep_rank_packs`, `spread_eval_packs`,
+    `no_dispatch`, `reload_checkpoints_with_key_conversion`, `hf_packing.training.evaluation.token_level_evaluation`,
+    `track_training` and, unless ``telemetry=False``, `hf_packing.training.telemetry.add_telemetry` (``max_length``
+    defaults to the packs'). Returns ``trainer``.
 
     Forgetting it is loud: a patched forward fed `pack_dataset`'s packs from a loader it did not prepare, or fed
     `VisionCollator` batches that accelerate dispatches, raises at the first step (`hf_packing.patches.prepared`)."""
@@ -283,6 +365,7 @@ def prepare_trainer(trainer: Any, *, telemetry: bool = True, **telemetry_kwargs:
 
     check_setup(trainer, telemetry_kwargs)
     refuse_liger_kernel(trainer)
+    check_wrapped_collator(trainer)
     keep_rank_packs(trainer)
     spread_eval_packs(trainer)  # wraps keep_rank_packs' loaders: the view is unsharded too
     no_dispatch(trainer)
