@@ -1,0 +1,441 @@
+"""Qwen4-Exp's QSA sparse attention ("indexed_attention") over a packed stream, without a host sync.
+
+transformers' ``Qwen4ExpTextQSAIndexer`` loops over rows and queries in Python (a ``nonzero`` and a ``topk`` per
+query). Here every step is vectorised over the whole pack, with shapes from ``T``, ``max_seqlen`` and Python ints
+only. The rule is transformers' per-query rule applied to each sample alone. With ``compress_ratio`` r = 4::
+
+    flat stream (T=14)   a a a a a a a a a a | b b b b        cu_seqlens = [0, 10, 14]
+    offset in sample     0 1 2 3 4 5 6 7 8 9   0 1 2 3        max_seqlen = 10
+    complete blocks      [ 0   ] [ 1   ] - -   [ 2   ]        blocks count from each sample's first token; a
+    (global block id)                                         sample's last r-1 tokens or fewer never complete one
+
+    query a9 (offset 9): visible complete blocks {0, 1} (all their tokens <= the query), tail a8 a9
+    query a6 (offset 6): visible complete blocks {0} (block 1 ends at a7 > a6), tail a4 a5 a6
+    query b3 (offset 3): visible complete blocks {2}, empty tail; never a key of sample a
+
+Each query keeps the top ``block_topk = budget // r`` of its own sample's visible complete blocks (all of them when
+it has fewer) plus its tail (the tokens after its last visible complete block, up to itself). A query whose own
+block just completed and was not chosen does not see itself, as in transformers.
+
+The steps, in the order the patched indexer and attention call them:
+
+1. `qsa_blocks`: the complete blocks of the pack, ``(NB, r)`` token indices with ``NB = T // r`` (a static bound;
+   the rows past the real count are padding), and each sample's first block id.
+2. `qsa_pool_keys`: each block's raw indexer key averaged in fp32 and cast back, as transformers pools. The caller
+   then applies the indexer's own ``k_layernorm`` and the rotary embedding at the block's first token
+   (``blocks.tokens[:, 0]``): positions restart per sample, so that equals transformers' per-sample rope.
+3. `qsa_select`: scores ``relu(q · key)`` summed over indexer heads ``/ sqrt(head_dim)`` in fp32 against the
+   query's own visible blocks only, and keeps the top ``block_topk`` per query. Ties (common: relu makes exact-zero
+   scores) go to the lower block index (a stable descending sort); ``torch.topk`` documents no tie order.
+   Runs under ``no_grad``: the selection is indices, so the indexer gets no gradient from the LM loss, as in
+   transformers.
+4. `qsa_attention`: attention of each query over its selected keys (GQA, ``scaling`` given), differentiable in q, k
+   and v. Backends with one signature, switched by ``backend``:
+
+   - ``reference``: one SDPA over the pack with the dense ``(T, T)`` mask of `qsa_mask` (same sample, causal,
+     selected); exact, O(T²) memory, for tests and short packs.
+   - ``gather``: each query's selected keys gathered, ``(T, K, H_kv, D)`` with ``K = block_topk·r + r - 1``, and an
+     fp32 softmax over them; memory and FLOPs grow with ``T·K``, not ``T²`` (chunked over queries). The default.
+
+`qsa_token_index` gives each query's selected pack token indices ``(T, K)``, ``-1`` padded (transformers'
+``selected_token_indices``, in pack coordinates). `reference_qsa_mask` is the oracle: a plain per-sample,
+per-query loop that mirrors transformers' indexer, with the same tie rule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .varlen import PackedSequences, token_sequences
+
+QSA_BACKENDS = ("gather", "reference")
+
+#: elements of fp32 workspace one query chunk of `qsa_select` / the ``gather`` backend may hold (~256 MiB)
+CHUNK_ELEMENTS = 1 << 26
+
+
+class QSABlocks(NamedTuple):
+    """The complete blocks of a pack (`qsa_blocks`).
+
+    Attributes:
+        tokens (`torch.LongTensor` of shape `(NB, r)`): pack token indices of each block, ``NB = T // r``. Sample
+            ``s`` owns blocks ``first[s]:first[s + 1]``, in order; rows from ``first[-1]`` on are padding (tokens
+            ``0..r-1``, safe to gather, never selected).
+        first (`torch.LongTensor` of shape `(B + 1,)`): cumulative complete-block counts, ``first[0] = 0``.
+    """
+
+    tokens: torch.Tensor
+    first: torch.Tensor
+
+
+class QSASelection(NamedTuple):
+    """What each query keeps (`qsa_select`).
+
+    Attributes:
+        blocks (`torch.LongTensor` of shape `(T, k)`): global block ids (rows of `QSABlocks.tokens`), best first,
+            ``-1`` where the query has fewer than ``k`` visible blocks; ``k = min(block_topk, max_seqlen // r)``.
+        tail_start (`torch.LongTensor` of shape `(T,)`): the pack index of the first tail token: the query's
+            sample start plus r times its number of visible complete blocks; the tail is ``tail_start..t``
+            (empty when ``tail_start > t``, i.e. the query ends a block).
+    """
+
+    blocks: torch.Tensor
+    tail_start: torch.Tensor
+
+
+def _check_ratio(compress_ratio: int, block_topk: int | None = None) -> None:
+    if compress_ratio < 1:
+        raise ValueError(f"indexer_compress_ratio must be >= 1, got {compress_ratio}")
+    if block_topk is not None and block_topk < 1:
+        raise ValueError(
+            f"block_topk = indexer_budget // indexer_compress_ratio must be >= 1, got {block_topk}; raise "
+            "indexer_budget to at least indexer_compress_ratio"
+        )
+
+
+def qsa_blocks(seqs: PackedSequences, *, total: int, compress_ratio: int) -> QSABlocks:
+    """The complete blocks of ``compress_ratio`` tokens of every sample, counted from each sample's first token.
+
+    Args:
+        seqs (`PackedSequences`): the boundaries (int32 ``cu_seqlens`` of shape `(B + 1,)` ending at ``total``).
+        total (`int`): T, the number of tokens in the flat stream (a Python int: a tensor's shape).
+        compress_ratio (`int`): r, tokens per block (``config.indexer_compress_ratio``).
+
+    Returns:
+        `QSABlocks`: ``tokens`` `(T // r, r)` int64 and ``first`` `(B + 1,)` int64, on ``cu_seqlens``' device.
+    """
+    _check_ratio(compress_ratio)
+    cu = seqs.cu_seqlens.to(torch.int64)
+    device = cu.device
+    per_sample = (cu[1:] - cu[:-1]) // compress_ratio
+    first = torch.cat([cu.new_zeros(1), per_sample.cumsum(0)])
+    block = torch.arange(total // compress_ratio, device=device)
+    # the whole ``first`` (first[0] = 0 <= block), so every index is >= 1; samples with no block are skipped because
+    # right=True passes over their repeated ``first`` value
+    sample = (torch.searchsorted(first, block, right=True) - 1).clamp(max=cu.shape[0] - 2)
+    start = cu[sample] + (block - first[sample]) * compress_ratio
+    start = torch.where(block < first[-1], start, 0)
+    tokens = start[:, None] + torch.arange(compress_ratio, device=device)
+    return QSABlocks(tokens=tokens, first=first)
+
+
+def qsa_pool_keys(raw_keys: torch.Tensor, blocks: QSABlocks) -> torch.Tensor:
+    """Each block's mean raw indexer key, averaged in fp32 and cast back, exactly as transformers pools.
+
+    Args:
+        raw_keys (`torch.Tensor` of shape `(T, D_idx)`): the indexer's token keys before ``k_layernorm``.
+        blocks (`QSABlocks`): from `qsa_blocks`.
+
+    Returns:
+        `torch.Tensor` of shape `(NB, D_idx)` in ``raw_keys``' dtype (padding rows hold the first tokens' mean).
+    """
+    groups = raw_keys.index_select(0, blocks.tokens.flatten()).view(*blocks.tokens.shape, raw_keys.shape[-1])
+    return groups.float().mean(dim=1).to(raw_keys.dtype)
+
+
+def _query_chunk(total: int, per_query: int, query_chunk: int | None) -> int:
+    """Queries per chunk: all of them under ``torch.compile`` (a loop over ``T`` would specialise the graph)."""
+    if query_chunk is not None:
+        if query_chunk < 1:
+            raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
+        return query_chunk
+    if torch.compiler.is_compiling():
+        return max(total, 1)
+    return max(1, min(total, CHUNK_ELEMENTS // max(per_query, 1)))
+
+
+def qsa_select(
+    q_index: torch.Tensor,
+    block_keys: torch.Tensor,
+    seqs: PackedSequences,
+    blocks: QSABlocks,
+    *,
+    compress_ratio: int,
+    block_topk: int,
+    query_chunk: int | None = None,
+) -> QSASelection:
+    """Each query's top ``block_topk`` visible complete blocks of its own sample, and its tail.
+
+    A block is visible to a query when it is complete and all its tokens are <= the query. Score of block ``j``
+    for query ``t``: ``sum_h relu(q_index[t, h] · block_keys[j]) / sqrt(D_idx)`` in fp32, as transformers scores.
+    Ties go to the lower block index.
+
+    Args:
+        q_index (`torch.Tensor` of shape `(T, H_idx, D_idx)`): the indexer's queries after ``q_layernorm`` and rope.
+        block_keys (`torch.Tensor` of shape `(NB, D_idx)`): per block, `qsa_pool_keys` then ``k_layernorm`` and the
+            rope at ``blocks.tokens[:, 0]``.
+        seqs (`PackedSequences`): the boundaries; ``max_seqlen`` (a Python int) bounds the candidates per query.
+        blocks (`QSABlocks`): from `qsa_blocks` with the same ``compress_ratio``.
+        compress_ratio (`int`): r. block_topk (`int`): ``indexer_budget // indexer_compress_ratio``, >= 1.
+        query_chunk (`int`, *optional*): queries scored at once (default: a ~256 MiB fp32 workspace; all under
+            ``torch.compile``). Peak workspace ``query_chunk · (max_seqlen // r) · (D_idx + H_idx)`` fp32 values.
+
+    Returns:
+        `QSASelection`: ``blocks`` `(T, min(block_topk, max_seqlen // r))` int64 and ``tail_start`` `(T,)` int64.
+    """
+    _check_ratio(compress_ratio, block_topk)
+    if q_index.dim() != 3 or block_keys.dim() != 2 or block_keys.shape[-1] != q_index.shape[-1]:
+        raise ValueError(
+            f"qsa_select needs q_index (T, H_idx, D_idx) and block_keys (NB, D_idx); got {tuple(q_index.shape)} "
+            f"and {tuple(block_keys.shape)}"
+        )
+    total, _, head_dim = q_index.shape
+    candidates = seqs.max_seqlen // compress_ratio  # M: local block slots per query
+    k = min(block_topk, candidates)
+    sample, offset = token_sequences(seqs, total, q_index.device)
+    sample = sample - 1
+    cu = seqs.cu_seqlens.to(device=q_index.device, dtype=torch.int64)
+    n_visible = (offset + 1) // compress_ratio
+    tail_start = cu[sample] + n_visible * compress_ratio
+    if k == 0 or total == 0:
+        return QSASelection(q_index.new_full((total, k), -1, dtype=torch.int64), tail_start)
+    first = blocks.first.to(q_index.device)[sample]  # (T,) the query's sample's first block id
+    local = torch.arange(candidates, device=q_index.device)
+    chunk = _query_chunk(total, candidates * (head_dim + q_index.shape[1]), query_chunk)
+    picked = []
+    with torch.no_grad():
+        for lo in range(0, total, chunk):
+            hi = min(lo + chunk, total)
+            visible = local[None, :] < n_visible[lo:hi, None]  # (C, M)
+            ids = torch.where(visible, first[lo:hi, None] + local[None, :], 0)
+            keys = block_keys.index_select(0, ids.flatten()).view(hi - lo, candidates, head_dim).float()
+            scores = torch.einsum("chd,cmd->chm", q_index[lo:hi].float(), keys)
+            scores = scores.relu().sum(dim=1) / math.sqrt(head_dim)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            # a stable descending sort: equal scores keep their block order, so ties go to the lower block
+            order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+            rank = torch.arange(k, device=q_index.device)
+            picked.append(torch.where(rank[None, :] < n_visible[lo:hi, None], first[lo:hi, None] + order, -1))
+    return QSASelection(torch.cat(picked, dim=0), tail_start)
+
+
+def qsa_token_index(selection: QSASelection, blocks: QSABlocks, *, compress_ratio: int) -> torch.Tensor:
+    """Each query's selected pack token indices: its blocks' tokens (best block first), then its tail.
+
+    Args:
+        selection (`QSASelection`): from `qsa_select`. blocks (`QSABlocks`): from `qsa_blocks`.
+        compress_ratio (`int`): r.
+
+    Returns:
+        `torch.LongTensor` of shape `(T, k·r + r - 1)`, ``-1`` padded: transformers' ``selected_token_indices`` in
+        pack coordinates (``k·r + r - 1 = budget + r - 1`` when every sample is long enough).
+    """
+    total, k = selection.blocks.shape
+    device = selection.blocks.device
+    picked = blocks.tokens.to(device).index_select(0, selection.blocks.clamp(min=0).flatten()).view(total, k, -1)
+    picked = torch.where(selection.blocks[:, :, None] >= 0, picked, -1).flatten(1)
+    tail = selection.tail_start[:, None] + torch.arange(compress_ratio - 1, device=device)
+    query = torch.arange(total, device=device)
+    tail = torch.where(tail <= query[:, None], tail, -1)
+    return torch.cat([picked, tail], dim=1)
+
+
+def _block_of_token(seqs: PackedSequences, total: int, compress_ratio: int, device: torch.device) -> torch.Tensor:
+    """`(T,)` int64: the global id of the complete block holding each token, ``-1`` for a sample's incomplete end."""
+    sample, offset = token_sequences(seqs, total, device)
+    sample = sample - 1
+    cu = seqs.cu_seqlens.to(device=device, dtype=torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    first = torch.cat([cu.new_zeros(1), (lengths // compress_ratio).cumsum(0)])
+    local = offset // compress_ratio
+    complete = (local + 1) * compress_ratio <= lengths[sample]
+    return torch.where(complete, first[sample] + local, -1)
+
+
+def qsa_mask(selection: QSASelection, seqs: PackedSequences, *, compress_ratio: int) -> torch.Tensor:
+    """Dense ``(T, T)`` bool mask, True where query ``t`` may attend key ``s``: same sample, ``s <= t``, and ``s``
+    in one of ``t``'s selected blocks or in its tail. O(T²): for the ``reference`` backend and tests.
+
+    Args:
+        selection (`QSASelection`): from `qsa_select`. seqs (`PackedSequences`): the boundaries.
+        compress_ratio (`int`): r.
+    """
+    total = selection.tail_start.shape[0]
+    device = selection.tail_start.device
+    n_blocks = total // compress_ratio
+    chosen = torch.zeros(total, n_blocks + 1, dtype=torch.bool, device=device)
+    # -1 (no block) lands in the extra last column, which is dropped
+    chosen.scatter_(1, torch.where(selection.blocks >= 0, selection.blocks, n_blocks), True)
+    chosen[:, n_blocks] = False
+    key_block = _block_of_token(seqs, total, compress_ratio, device)
+    in_block = chosen[:, torch.where(key_block >= 0, key_block, n_blocks)]
+    pos = torch.arange(total, device=device)
+    sample, _ = token_sequences(seqs, total, device)
+    causal = (sample[:, None] == sample[None, :]) & (pos[None, :] <= pos[:, None])
+    tail = pos[None, :] >= selection.tail_start[:, None]
+    return causal & (in_block | tail)
+
+
+def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: QSASelection) -> None:
+    """The contract every backend keeps, as a kernel would enforce it."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(
+            "qsa_attention needs q (T, H_q, D), k (T, H_kv, D), v (T, H_kv, D_v); got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"qsa_attention: H_q % H_kv must be 0 and k/v heads equal; got {q.shape}, {k.shape}, {v.shape}"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(
+            f"qsa_attention needs q, k, v in one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them "
+            "(under autocast, to the autocast dtype) before the call"
+        )
+    for name, t in (("selection.blocks", selection.blocks), ("selection.tail_start", selection.tail_start)):
+        if t.dtype != torch.int64 or t.device != q.device:
+            raise ValueError(f"{name} must be int64 on {q.device}, got {t.dtype} on {t.device}; use qsa_select's")
+    if selection.tail_start.shape[0] != q.shape[0]:
+        raise ValueError(f"selection is for {selection.tail_start.shape[0]} queries, q has {q.shape[0]}")
+
+
+def reference_qsa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    selection: QSASelection,
+    blocks: QSABlocks,
+    seqs: PackedSequences,
+    *,
+    compress_ratio: int,
+    scaling: float,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """`qsa_attention`'s ``reference`` backend: one SDPA with the dense `qsa_mask` (transformers' sdpa path on
+    one sample, for the whole pack)."""
+    mask = qsa_mask(selection, seqs, compress_ratio=compress_ratio)
+    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H, T, D)
+    out = F.scaled_dot_product_attention(
+        qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def gather_qsa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    selection: QSASelection,
+    blocks: QSABlocks,
+    seqs: PackedSequences,
+    *,
+    compress_ratio: int,
+    scaling: float,
+    dropout: float = 0.0,
+    query_chunk: int | None = None,
+) -> torch.Tensor:
+    """`qsa_attention`'s ``gather`` backend: each query's ``K`` selected keys and values gathered, an fp32 softmax.
+
+    ``query_chunk`` bounds the gathered workspace (``chunk · K · H_kv · (D + D_v)`` values; under autograd the
+    gathered chunks are kept for the backward).
+    """
+    index = qsa_token_index(selection, blocks, compress_ratio=compress_ratio)  # (T, K)
+    total, n_keys = index.shape
+    h_q, h_kv, dim = q.shape[1], k.shape[1], q.shape[2]
+    groups = h_q // h_kv
+    valid = index >= 0
+    safe = index.clamp(min=0)
+    chunk = _query_chunk(total, n_keys * h_kv * (dim + v.shape[-1]) + h_q * n_keys, query_chunk)
+    outs = []
+    for lo in range(0, total, chunk):
+        hi = min(lo + chunk, total)
+        ids = safe[lo:hi].flatten()
+        ks = k.index_select(0, ids).view(hi - lo, n_keys, h_kv, dim)
+        vs = v.index_select(0, ids).view(hi - lo, n_keys, h_kv, v.shape[-1])
+        qs = q[lo:hi].view(hi - lo, h_kv, groups, dim)
+        scores = torch.einsum("cgrd,ckgd->cgrk", qs.float(), ks.float()) * scaling
+        scores = scores.masked_fill(~valid[lo:hi, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        if dropout:
+            probs = F.dropout(probs, p=dropout)
+        out = torch.einsum("cgrk,ckgd->cgrd", probs, vs.float())
+        outs.append(out.reshape(hi - lo, h_q, v.shape[-1]).to(q.dtype))
+    if not outs:
+        return q.new_zeros(0, h_q, v.shape[-1])
+    return torch.cat(outs, dim=0)
+
+
+def qsa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    selection: QSASelection,
+    blocks: QSABlocks,
+    seqs: PackedSequences,
+    *,
+    compress_ratio: int,
+    scaling: float,
+    backend: str = "gather",
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Attention of each query over its selected keys only (its blocks and tail, its own sample, causal).
+
+    Args:
+        q (`torch.Tensor` of shape `(T, H_q, D)`), k (`(T, H_kv, D)`), v (`(T, H_kv, D_v)`): one floating dtype
+            (cast them first under autocast), ``H_q % H_kv == 0`` (GQA).
+        selection (`QSASelection`), blocks (`QSABlocks`), seqs (`PackedSequences`): from `qsa_select` /
+            `qsa_blocks` on the same pack.
+        compress_ratio (`int`): r. scaling (`float`): the softmax scale (the attention module's ``scaling``).
+        backend (`str`): one of `QSA_BACKENDS`; the same result up to rounding.
+        dropout (`float`): attention-probability dropout (training only).
+
+    Returns:
+        `torch.Tensor` of shape `(T, H_q, D_v)` in q's dtype; differentiable in q, k and v.
+    """
+    if backend not in QSA_BACKENDS:
+        raise ValueError(f"unknown QSA attention backend {backend!r}; choose one of {QSA_BACKENDS}")
+    _check_ratio(compress_ratio)
+    _check_attention_inputs(q, k, v, selection)
+    fn = gather_qsa_attention if backend == "gather" else reference_qsa_attention
+    return fn(q, k, v, selection, blocks, seqs, compress_ratio=compress_ratio, scaling=scaling, dropout=dropout)
+
+
+# ------------------------------------------------------------------------------------------------------ oracle
+
+
+def reference_qsa_mask(
+    q_index: torch.Tensor,
+    raw_keys: torch.Tensor,
+    seqs: PackedSequences,
+    *,
+    compress_ratio: int,
+    block_topk: int,
+    block_key_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The oracle: transformers' indexer rule as a plain loop over samples and queries (host syncs, slow).
+
+    For each sample alone and each query ``t`` in it: the visible tokens are the sample's tokens up to ``t``; they
+    form ``n = len // r`` complete blocks; each block's key is ``block_key_fn(mean of its raw keys in fp32 cast
+    back, its first token's pack index)``; scores as in `qsa_select`; the top ``min(block_topk, n)`` blocks (ties:
+    lower block first) plus the leftover tail are selected.
+
+    Args:
+        q_index (`torch.Tensor` of shape `(T, H_idx, D_idx)`), raw_keys (`torch.Tensor` of shape `(T, D_idx)`).
+        block_key_fn: ``(pooled (n, D_idx), first_token (n,) int64) -> keys (n, D_idx)``: ``k_layernorm`` and rope.
+
+    Returns:
+        `torch.BoolTensor` of shape `(T, T)`: True where query row may attend key column.
+    """
+    total, _, head_dim = q_index.shape
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    bounds = seqs.cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        for t in range(start, end):
+            visible = torch.arange(start, t + 1)
+            n = visible.numel() // compress_ratio
+            selected = visible[n * compress_ratio :]
+            if n > 0:
+                groups = visible[: n * compress_ratio].view(n, compress_ratio)
+                pooled = raw_keys.index_select(0, groups.flatten()).view(n, compress_ratio, -1)
+                pooled = pooled.float().mean(dim=1).to(raw_keys.dtype)
+                keys = block_key_fn(pooled, groups[:, 0])
+                scores = (q_index[t].float() @ keys.float().T).relu().sum(dim=0) / math.sqrt(head_dim)
+                best = sorted(range(n), key=lambda j: (-scores[j].item(), j))[: min(block_topk, n)]
+                selected = torch.cat([groups[best].flatten(), selected])
+            mask[t, selected] = True
+    return mask.to(q_index.device)
