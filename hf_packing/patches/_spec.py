@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -20,6 +21,9 @@ class FamilySpec:
         moe: whether the text model routes tokens to experts (adds the load-balancing loss).
         linear_attention: whether text layers mix softmax attention with Gated DeltaNet linear attention
             (Qwen3.5), whose conv and recurrent kernels get the boundaries too (see `_linear`).
+        ple_qsa: whether the text model has Qwen4-Exp's Per-Layer Embeddings and QSA-indexed attention, which get
+            the boundaries too and run without transformers' dense masks (see `_qwen4_exp`).
+        min_transformers: the first transformers release with the family (``None``: every supported one).
     """
 
     model_type: str
@@ -31,6 +35,15 @@ class FamilySpec:
     rope_kwargs: tuple[str, ...] = ()
     moe: bool = False
     linear_attention: bool = False
+    ple_qsa: bool = False
+    min_transformers: str | None = None
+
+    def available(self) -> bool:
+        """Whether the installed transformers has the family's modeling module."""
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except ModuleNotFoundError:  # the family's package itself is missing (find_spec imports the parents)
+            return False
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -74,6 +87,16 @@ FAMILIES: dict[str, FamilySpec] = {
             "Qwen3_5MoeVisionAttention",
             moe=True,
             linear_attention=True,
+        ),
+        _spec(
+            "qwen4_exp",
+            "Qwen4Exp",
+            "Qwen4ExpTextAttention",
+            "Qwen4ExpVisionAttention",
+            moe=True,
+            linear_attention=True,
+            ple_qsa=True,
+            min_transformers="5.23",
         ),
     )
 }
