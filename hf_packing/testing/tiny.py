@@ -433,9 +433,9 @@ def _ple_conv_weights(model: PreTrainedModel, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for module in model.modules():
         if type(module).__name__ == "Qwen4ExpTextPLELayer":
+            weight: Any = module.conv1d.weight
             with torch.no_grad():
-                weight = module.conv1d.weight
-                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.5)
+                weight.copy_(torch.randn(tuple(weight.shape), generator=generator) * 0.5)
 
 
 def _spread_decays(model: PreTrainedModel) -> None:
