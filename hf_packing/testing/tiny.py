@@ -433,7 +433,8 @@ def _ple_conv_weights(model: PreTrainedModel, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for module in model.modules():
         if type(module).__name__ == "Qwen4ExpTextPLELayer":
-            weight: Any = module.conv1d.weight
+            conv: Any = module.conv1d
+            weight = conv.weight
             with torch.no_grad():
                 weight.copy_(torch.randn(tuple(weight.shape), generator=generator) * 0.5)
 
