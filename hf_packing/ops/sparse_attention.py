@@ -38,8 +38,10 @@ The steps, in the order the patched indexer and attention call them:
      fp32 softmax over them; memory and FLOPs grow with ``T·K``, not ``T²`` (chunked over queries). The default.
 
 `qsa_token_index` gives each query's selected pack token indices ``(T, K)``, ``-1`` padded (transformers'
-``selected_token_indices``, in pack coordinates). `reference_qsa_mask` is the oracle: a plain per-sample,
-per-query loop that mirrors transformers' indexer, with the same tie rule.
+``selected_token_indices``, in pack coordinates); `qsa_selection_leaks` counts those outside the query's own sample
+or after it (zero for any `qsa_select` output; tests plant one to see it fire). Both backends AND the selection
+with the pack's block-causal mask, as transformers ANDs it with the causal mask. `reference_qsa_mask` is the
+oracle: a plain per-sample, per-query loop that mirrors transformers' indexer, with the same tie rule.
 """
 
 from __future__ import annotations
@@ -271,6 +273,22 @@ def qsa_mask(selection: QSASelection, seqs: PackedSequences, *, compress_ratio: 
     return causal & (in_block | tail)
 
 
+def qsa_selection_leaks(selection: QSASelection, blocks: QSABlocks, seqs: PackedSequences, *, compress_ratio: int):
+    """Per query, how many of its selected tokens (`qsa_token_index`) lie outside its own sample's tokens up to
+    itself: all zero for any `qsa_select` output. The check tests and patched-model tests apply to a selection.
+
+    Returns:
+        `torch.LongTensor` of shape `(T,)`.
+    """
+    index = qsa_token_index(selection, blocks, compress_ratio=compress_ratio)
+    total = index.shape[0]
+    sample, _ = token_sequences(seqs, total, index.device)
+    safe = index.clamp(min=0)
+    query = torch.arange(total, device=index.device)[:, None]
+    outside = (index >= 0) & ((safe > query) | (sample[safe] != sample[:, None]))
+    return outside.sum(dim=1)
+
+
 def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: QSASelection) -> None:
     """The contract every backend keeps, as a kernel would enforce it."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or not (q.shape[0] == k.shape[0] == v.shape[0]):
@@ -338,8 +356,12 @@ def gather_qsa_attention(
     total, n_keys = index.shape
     h_q, h_kv, dim = q.shape[1], k.shape[1], q.shape[2]
     groups = h_q // h_kv
-    valid = index >= 0
     safe = index.clamp(min=0)
+    # the selection ANDed with the pack's block-causal mask, as transformers ANDs it with the causal mask (and as
+    # the reference's `qsa_mask` does): a selection that names another sample's key cannot reach it
+    sample, _ = token_sequences(seqs, total, q.device)
+    query = torch.arange(total, device=q.device)[:, None]
+    valid = (index >= 0) & (safe <= query) & (sample[safe] == sample[:, None])
     chunk = _query_chunk(total, n_keys * h_kv * (dim + v.shape[-1]) + h_q * n_keys, query_chunk)
     outs = []
     for lo in range(0, total, chunk):
