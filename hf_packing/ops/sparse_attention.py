@@ -34,8 +34,9 @@ The steps, in the order the patched indexer and attention call them:
 
    - ``reference``: one SDPA over the pack with the dense ``(T, T)`` mask of `qsa_mask` (same sample, causal,
      selected); exact, O(T²) memory, for tests and short packs.
-   - ``gather``: each query's selected keys gathered, ``(T, K, H_kv, D)`` with ``K = block_topk·r + r - 1``, and an
-     fp32 softmax over them; memory and FLOPs grow with ``T·K``, not ``T²`` (chunked over queries). The default.
+   - ``gather``: each query's selected keys gathered, ``(T, K, H_kv, D)`` with ``K = block_topk·r + r - 1``, and
+     one SDPA with the queries as its batch; memory and FLOPs grow with ``T·K``, not ``T²`` (chunked over
+     queries). The default.
 
 `qsa_token_index` gives each query's selected pack token indices ``(T, K)``, ``-1`` padded (transformers'
 ``selected_token_indices``, in pack coordinates); `qsa_selection_leaks` counts those outside the query's own sample
@@ -140,15 +141,16 @@ def qsa_pool_keys(raw_keys: torch.Tensor, blocks: QSABlocks) -> torch.Tensor:
     return groups.float().mean(dim=1).to(raw_keys.dtype)
 
 
-def _query_chunk(total: int, per_query: int, query_chunk: int | None) -> int:
-    """Queries per chunk: all of them under ``torch.compile`` (a loop over ``T`` would specialise the graph)."""
-    if query_chunk is not None:
-        if query_chunk < 1:
-            raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
-        return query_chunk
-    if torch.compiler.is_compiling():
-        return max(total, 1)
-    return max(1, min(total, CHUNK_ELEMENTS // max(per_query, 1)))
+def _query_spans(total: int, per_query: int, query_chunk: int | None) -> list[tuple[int, int]]:
+    """``[(lo, hi), ...]`` query chunks of at most ``query_chunk`` queries (default: `CHUNK_ELEMENTS` of
+    workspace at ``per_query`` values per query). One span under ``torch.compile``: a loop over ``range(T)`` would
+    specialise the graph on ``T``."""
+    if query_chunk is not None and query_chunk < 1:
+        raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
+    if query_chunk is None and torch.compiler.is_compiling():
+        return [(0, total)]
+    chunk = query_chunk or max(1, CHUNK_ELEMENTS // max(per_query, 1))
+    return [(lo, min(lo + chunk, total)) for lo in range(0, total, chunk)]
 
 
 def qsa_select(
@@ -198,11 +200,9 @@ def qsa_select(
         return QSASelection(q_index.new_full((total, k), -1, dtype=torch.int64), tail_start)
     first = blocks.first.to(q_index.device)[sample]  # (T,) the query's sample's first block id
     local = torch.arange(candidates, device=q_index.device)
-    chunk = _query_chunk(total, candidates * (head_dim + q_index.shape[1]), query_chunk)
     picked = []
     with torch.no_grad():
-        for lo in range(0, total, chunk):
-            hi = min(lo + chunk, total)
+        for lo, hi in _query_spans(total, candidates * (head_dim + q_index.shape[1]), query_chunk):
             visible = local[None, :] < n_visible[lo:hi, None]  # (C, M)
             ids = torch.where(visible, first[lo:hi, None] + local[None, :], 0)
             keys = block_keys.index_select(0, ids.flatten()).view(hi - lo, candidates, head_dim).float()
@@ -347,7 +347,8 @@ def gather_qsa_attention(
     dropout: float = 0.0,
     query_chunk: int | None = None,
 ) -> torch.Tensor:
-    """`qsa_attention`'s ``gather`` backend: each query's ``K`` selected keys and values gathered, an fp32 softmax.
+    """`qsa_attention`'s ``gather`` backend: each query's ``K`` selected keys and values gathered, then one SDPA
+    call with the queries as its batch (q-length: the query heads of a kv group; fp32 softmax inside SDPA).
 
     ``query_chunk`` bounds the gathered workspace (``chunk · K · H_kv · (D + D_v)`` values; under autograd the
     gathered chunks are kept for the backward).
@@ -362,21 +363,17 @@ def gather_qsa_attention(
     sample, _ = token_sequences(seqs, total, q.device)
     query = torch.arange(total, device=q.device)[:, None]
     valid = (index >= 0) & (safe <= query) & (sample[safe] == sample[:, None])
-    chunk = _query_chunk(total, n_keys * h_kv * (dim + v.shape[-1]) + h_q * n_keys, query_chunk)
     outs = []
-    for lo in range(0, total, chunk):
-        hi = min(lo + chunk, total)
+    for lo, hi in _query_spans(total, n_keys * h_kv * (dim + v.shape[-1]) + h_q * n_keys, query_chunk):
         ids = safe[lo:hi].flatten()
-        ks = k.index_select(0, ids).view(hi - lo, n_keys, h_kv, dim)
-        vs = v.index_select(0, ids).view(hi - lo, n_keys, h_kv, v.shape[-1])
-        qs = q[lo:hi].view(hi - lo, h_kv, groups, dim)
-        scores = torch.einsum("cgrd,ckgd->cgrk", qs.float(), ks.float()) * scaling
-        scores = scores.masked_fill(~valid[lo:hi, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        if dropout:
-            probs = F.dropout(probs, p=dropout)
-        out = torch.einsum("cgrk,ckgd->cgrd", probs, vs.float())
-        outs.append(out.reshape(hi - lo, h_q, v.shape[-1]).to(q.dtype))
+        # one tiny attention per query: batch = queries, heads = kv heads, "sequence" = the query heads of a kv
+        # group (GQA without repeating k/v) against the query's K keys
+        ks = k.index_select(0, ids).view(hi - lo, n_keys, h_kv, dim).transpose(1, 2)
+        vs = v.index_select(0, ids).view(hi - lo, n_keys, h_kv, v.shape[-1]).transpose(1, 2)
+        qs = q[lo:hi].reshape(hi - lo, h_kv, groups, dim)
+        mask = valid[lo:hi, None, None, :]
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        outs.append(out.reshape(hi - lo, h_q, v.shape[-1]))
     if not outs:
         return q.new_zeros(0, h_q, v.shape[-1])
     return torch.cat(outs, dim=0)
