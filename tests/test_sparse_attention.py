@@ -384,3 +384,54 @@ def test_no_host_sync():
     with SyncCounter() as counter:
         reference_qsa_mask(q_idx, raw, seqs, compress_ratio=4, block_topk=2, block_key_fn=lambda p, f: p)
     assert counter.total + sum(counter.host_reads.values()) > 0
+
+
+def _selection_and_attention(q_idx, raw, q, k, v, seqs, query_chunk=None):
+    blocks = qsa_blocks(seqs, total=q.shape[0], compress_ratio=4)
+    keys = qsa_pool_keys(raw, blocks)
+    selection = qsa_select(q_idx, keys, seqs, blocks, compress_ratio=4, block_topk=2, query_chunk=query_chunk)
+    return qsa_attention(q, k, v, selection, blocks, seqs, compress_ratio=4, scaling=0.25, backend="gather")
+
+
+class _CountingBackend:
+    """``aot_eager`` that counts compilations (frame, recompile) once each."""
+
+    def __init__(self) -> None:
+        self.compile_ids: set[tuple[int, int]] = set()
+
+    def __call__(self, gm, example_inputs):
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        self.compile_ids.add((compile_id.frame_id, compile_id.frame_compile_id))
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+
+def _compiled_runs(query_chunk: int | None, packs) -> int:
+    torch._dynamo.reset()
+    backend = _CountingBackend()
+    compiled = torch.compile(_selection_and_attention, fullgraph=True, dynamic=True, backend=backend)
+    for seqlens in packs:
+        seqs = PackedSequences.from_seqlens(seqlens)
+        total = sum(seqlens)
+        generator = torch.Generator().manual_seed(total)
+        inputs = [torch.randn(total, 2, 8, generator=generator), torch.randn(total, 8, generator=generator)]
+        qkv = [torch.randn(total, h, 16, generator=generator, requires_grad=True) for h in (4, 2, 2)]
+        results = []
+        for fn in (compiled, _selection_and_attention):
+            out = fn(*inputs, *qkv, seqs, query_chunk=query_chunk)
+            results.append(_value_and_grads(out, qkv))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    return len(backend.compile_ids)
+
+
+@pytest.mark.slow  # ~1 min of dynamo tracing (2-3 on a loaded 2-core machine), most of it the negative control
+def test_compiles_once_for_all_packs():
+    """Selection and gathered attention compiled ``fullgraph=True, dynamic=True``: packs of different lengths,
+    sample counts and ``max_seqlen`` reuse one graph (at most 2 compilations: dynamo's static first guess, then the
+    dynamic one), equal to eager with gradients. Negative control: a forced query chunk (a Python loop over ``T``)
+    compiles a graph per pack."""
+    packs = ([10, 4, 3, 17], [20, 9, 33], [5, 50, 7, 8, 9], [41])
+    graphs = _compiled_runs(None, packs)
+    print(f"QSA selection + attention: {graphs} compilations over {len(packs)} packs")
+    assert 1 <= graphs <= 2
+    assert _compiled_runs(8, packs) > 2
