@@ -152,12 +152,17 @@ def test_planted_cross_sample_key_is_caught():
     torch.testing.assert_close(outs[3][20], qkv[2][20])  # only its tail (itself) is left: the planted key is not read
 
 
-def test_query_chunks_do_not_change_the_selection():
-    seqs = PackedSequences.from_seqlens([37, 5, 22])
+@pytest.mark.parametrize("query_chunk", [1, 3, 5, 17])
+def test_query_chunks_do_not_change_the_selection(query_chunk: int):
+    """Chunks score against a window of blocks starting at the chunk's first sample: every chunk size, with chunks
+    that start mid-sample and span several short samples, selects what the whole pack does."""
+    seqlens = [1, 2, 3, 37, 5, 1, 22, 4]
+    seqs = PackedSequences.from_seqlens(seqlens)
     generator = torch.Generator().manual_seed(1)
-    q, raw = torch.randn(64, 2, 8, generator=generator), torch.randn(64, 8, generator=generator)
-    whole = _fast_mask(q, raw, seqs, 4, 2)[1]
-    chunked = _fast_mask(q, raw, seqs, 4, 2, query_chunk=5)[1]
+    total = sum(seqlens)
+    q, raw = torch.randn(total, 2, 8, generator=generator), torch.randn(total, 8, generator=generator)
+    whole = _fast_mask(q, raw, seqs, 4, 2, query_chunk=total)[1]
+    chunked = _fast_mask(q, raw, seqs, 4, 2, query_chunk=query_chunk)[1]
     assert torch.equal(whole.blocks, chunked.blocks) and torch.equal(whole.tail_start, chunked.tail_start)
 
 
@@ -360,6 +365,11 @@ def test_contract_errors():
         qsa_attention(q, k, v, bad, blocks, seqs, **kwargs)
     with pytest.raises(ValueError, match="H_q % H_kv"):
         qsa_attention(q[:, :3], k, v, selection, blocks, seqs, **kwargs)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        qsa_attention(q, k.transpose(0, 2).contiguous().transpose(0, 2), v, selection, blocks, seqs, **kwargs)
+    with pytest.raises(ValueError, match="int32"):
+        seqs64 = PackedSequences(seqs.cu_seqlens.long(), seqs.max_seqlen, seqs.seqlens)
+        qsa_attention(q, k, v, selection, blocks, seqs64, **kwargs)
     with pytest.raises(ValueError, match="choose one of"):
         qsa_attention(q, k, v, selection, blocks, seqs, backend="flash", **kwargs)
     with pytest.raises(ValueError, match="indexer_budget"):

@@ -26,7 +26,8 @@ The steps, in the order the patched indexer and attention call them:
    (``blocks.tokens[:, 0]``): positions restart per sample, so that equals transformers' per-sample rope.
 3. `qsa_select`: scores ``relu(q · key)`` summed over indexer heads ``/ sqrt(head_dim)`` in fp32 against the
    query's own visible blocks only, and keeps the top ``block_topk`` per query. Ties (common: relu makes exact-zero
-   scores) go to the lower block index (a stable descending sort); ``torch.topk`` documents no tie order.
+   scores) go to the lower block index (``topk`` over keys made unique by the block order: a stable descending
+   sort's first k); ``torch.topk`` on the scores alone documents no tie order.
    Runs under ``no_grad``: the selection is indices, so the indexer gets no gradient from the LM loss, as in
    transformers.
 4. `qsa_attention`: attention of each query over its selected keys (GQA, ``scaling`` given), differentiable in q, k
@@ -89,6 +90,16 @@ class QSASelection(NamedTuple):
 
     blocks: torch.Tensor
     tail_start: torch.Tensor
+
+
+def _check_seqs(seqs: PackedSequences, device: torch.device) -> None:
+    """``cu_seqlens`` as the kernels take it: int32 on the data's device (a copy from the host would wait)."""
+    cu = seqs.cu_seqlens
+    if cu.dtype != torch.int32 or cu.device != device or cu.dim() != 1:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32 tensor on {device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}; "
+            "build it with PackedSequences.from_seqlens(..., device=...) or the collator's batch"
+        )
 
 
 def _check_ratio(compress_ratio: int, block_topk: int | None = None) -> None:
@@ -176,8 +187,9 @@ def qsa_select(
         seqs (`PackedSequences`): the boundaries; ``max_seqlen`` (a Python int) bounds the candidates per query.
         blocks (`QSABlocks`): from `qsa_blocks` with the same ``compress_ratio``.
         compress_ratio (`int`): r. block_topk (`int`): ``indexer_budget // indexer_compress_ratio``, >= 1.
-        query_chunk (`int`, *optional*): queries scored at once (default: a ~256 MiB fp32 workspace; all under
-            ``torch.compile``). Peak workspace ``query_chunk · (max_seqlen // r) · (D_idx + H_idx)`` fp32 values.
+        query_chunk (`int`, *optional*): queries scored at once (default: at most ``max_seqlen``, within a ~256 MiB
+            fp32 workspace; all of them under ``torch.compile``). The workspace is ``query_chunk · H_idx · W`` fp32
+            values with ``W = (query_chunk + max_seqlen) // r + 1`` blocks (``T // r`` for one chunk).
 
     Returns:
         `QSASelection`: ``blocks`` `(T, min(block_topk, max_seqlen // r))` int64 and ``tail_start`` `(T,)` int64.
@@ -188,6 +200,7 @@ def qsa_select(
             f"qsa_select needs q_index (T, H_idx, D_idx) and block_keys (NB, D_idx); got {tuple(q_index.shape)} "
             f"and {tuple(block_keys.shape)}"
         )
+    _check_seqs(seqs, q_index.device)
     total, _, head_dim = q_index.shape
     candidates = seqs.max_seqlen // compress_ratio  # M: local block slots per query
     k = min(block_topk, candidates)
@@ -199,19 +212,35 @@ def qsa_select(
     if k == 0 or total == 0:
         return QSASelection(q_index.new_full((total, k), -1, dtype=torch.int64), tail_start)
     first = blocks.first.to(q_index.device)[sample]  # (T,) the query's sample's first block id
+    n_blocks, heads = block_keys.shape[0], q_index.shape[1]
     local = torch.arange(candidates, device=q_index.device)
+    rank = torch.arange(k, device=q_index.device)
+    # Scores come from one matmul per query chunk against a window of blocks (no per-query gather of keys): the
+    # blocks of every sample the chunk touches lie in ``first[sample(lo)] + [0, W)`` with
+    # ``W = (chunk + max_seqlen) // r + 1``, so the chunk's work is at most ~2x the visible blocks' when the chunk
+    # is at most ``max_seqlen`` queries.
+    if query_chunk is None and not torch.compiler.is_compiling():
+        query_chunk = max(1, min(seqs.max_seqlen, CHUNK_ELEMENTS // (2 * heads * (candidates + 1))))
+    spans = _query_spans(total, heads * (candidates + 1), query_chunk)
     picked = []
     with torch.no_grad():
-        for lo, hi in _query_spans(total, candidates * (head_dim + q_index.shape[1]), query_chunk):
-            visible = local[None, :] < n_visible[lo:hi, None]  # (C, M)
-            ids = torch.where(visible, first[lo:hi, None] + local[None, :], 0)
-            keys = block_keys.index_select(0, ids.flatten()).view(hi - lo, candidates, head_dim).float()
-            scores = torch.einsum("chd,cmd->chm", q_index[lo:hi].float(), keys)
-            scores = scores.relu().sum(dim=1) / math.sqrt(head_dim)
-            scores = scores.masked_fill(~visible, float("-inf"))
-            # a stable descending sort: equal scores keep their block order, so ties go to the lower block
-            order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-            rank = torch.arange(k, device=q_index.device)
+        for lo, hi in spans:
+            if len(spans) == 1:  # the whole pack (and the only form under torch.compile: no guard on T)
+                start, width = first.new_zeros(()), n_blocks
+            else:
+                start, width = first[lo], min(n_blocks, (hi - lo + seqs.max_seqlen) // compress_ratio + 1)
+            window = (start + torch.arange(width, device=q_index.device)).clamp(max=n_blocks - 1)
+            keys = block_keys.index_select(0, window).float()  # (W, D_idx)
+            window_scores = torch.einsum("chd,wd->chw", q_index[lo:hi].float(), keys)
+            window_scores = window_scores.relu().sum(dim=1) / math.sqrt(head_dim)  # (C, W)
+            visible = local[None, :] < n_visible[lo:hi, None]  # (C, M): candidate j is the sample's j-th block
+            slot = torch.where(visible, first[lo:hi, None] - start + local[None, :], 0)
+            scores = window_scores.gather(1, slot).masked_fill(~visible, float("-inf"))
+            # ties go to the lower block: topk over unique int64 keys (the score's fp32 bits, then the block order
+            # reversed) is a stable descending sort's first k at topk's cost. Visible scores are >= 0, whose bit
+            # patterns order as int32 as the floats do (``+ 0.0`` turns a -0.0 into 0.0); -inf's are negative.
+            bits = (scores + 0.0).view(torch.int32).to(torch.int64)
+            order = (bits * (1 << 32) + (candidates - 1 - local)).topk(k, dim=-1).indices
             picked.append(torch.where(rank[None, :] < n_visible[lo:hi, None], first[lo:hi, None] + order, -1))
     return QSASelection(torch.cat(picked, dim=0), tail_start)
 
@@ -305,6 +334,8 @@ def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
             f"qsa_attention needs q, k, v in one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them "
             "(under autocast, to the autocast dtype) before the call"
         )
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError("qsa_attention needs q, k, v with a contiguous last dim (as attention kernels do)")
     for name, t in (("selection.blocks", selection.blocks), ("selection.tail_start", selection.tail_start)):
         if t.dtype != torch.int64 or t.device != q.device:
             raise ValueError(f"{name} must be int64 on {q.device}, got {t.dtype} on {t.device}; use qsa_select's")
@@ -396,7 +427,7 @@ def qsa_attention(
 
     Args:
         q (`torch.Tensor` of shape `(T, H_q, D)`), k (`(T, H_kv, D)`), v (`(T, H_kv, D_v)`): one floating dtype
-            (cast them first under autocast), ``H_q % H_kv == 0`` (GQA).
+            (cast them first under autocast), ``H_q % H_kv == 0`` (GQA), each with a contiguous last dim.
         selection (`QSASelection`), blocks (`QSABlocks`), seqs (`PackedSequences`): from `qsa_select` /
             `qsa_blocks` on the same pack.
         compress_ratio (`int`): r. scaling (`float`): the softmax scale (the attention module's ``scaling``).
@@ -409,6 +440,7 @@ def qsa_attention(
     if backend not in QSA_BACKENDS:
         raise ValueError(f"unknown QSA attention backend {backend!r}; choose one of {QSA_BACKENDS}")
     _check_ratio(compress_ratio)
+    _check_seqs(seqs, q.device)
     _check_attention_inputs(q, k, v, selection)
     fn = gather_qsa_attention if backend == "gather" else reference_qsa_attention
     return fn(q, k, v, selection, blocks, seqs, compress_ratio=compress_ratio, scaling=scaling, dropout=dropout)
