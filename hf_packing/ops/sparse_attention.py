@@ -39,6 +39,21 @@ The steps, in the order the patched indexer and attention call them:
      one SDPA with the queries as its batch; memory and FLOPs grow with ``T·K``, not ``T²`` (chunked over
      queries). The default.
 
+No ``flex_attention`` backend: the selection differs from query to query, so nearly every 128 x 128 tile of a
+block mask would be partial and flex would do the dense causal work (and on CPU it runs only eager or after a
+~30 s compile); ``gather`` does ``K`` keys per query.
+
+How the patched layer calls them (``raw_keys`` ``(T, D_idx)`` and ``q_idx`` ``(T, H_idx, D_idx)`` from the indexer's
+projection, ``q_idx`` after ``q_layernorm`` and rope; ``cos``/``sin`` ``(T, rotary_dim)`` at positions restarting
+per sample)::
+
+    blocks = qsa_blocks(seqs, total=T, compress_ratio=r)
+    first = blocks.tokens[:, 0]
+    keys = indexer.k_layernorm(qsa_pool_keys(raw_keys, blocks))[:, None]
+    keys = apply_rotary_pos_emb(keys, cos=cos[first], sin=sin[first]).squeeze(1)  # transformers' helper
+    selection = qsa_select(q_idx, keys, seqs, blocks, compress_ratio=r, block_topk=indexer.block_topk)
+    out = qsa_attention(q, k, v, selection, blocks, seqs, compress_ratio=r, scaling=attn.scaling)  # (T, H_q, D)
+
 `qsa_token_index` gives each query's selected pack token indices ``(T, K)``, ``-1`` padded (transformers'
 ``selected_token_indices``, in pack coordinates); `qsa_selection_leaks` counts those outside the query's own sample
 or after it (zero for any `qsa_select` output; tests plant one to see it fire). Both backends AND the selection
@@ -184,7 +199,8 @@ def qsa_select(
         q_index (`torch.Tensor` of shape `(T, H_idx, D_idx)`): the indexer's queries after ``q_layernorm`` and rope.
         block_keys (`torch.Tensor` of shape `(NB, D_idx)`): per block, `qsa_pool_keys` then ``k_layernorm`` and the
             rope at ``blocks.tokens[:, 0]``.
-        seqs (`PackedSequences`): the boundaries; ``max_seqlen`` (a Python int) bounds the candidates per query.
+        seqs (`PackedSequences`): the boundaries (``cu_seqlens[-1] == T``: the stream holds real tokens only);
+            ``max_seqlen`` (a Python int) bounds the candidates per query.
         blocks (`QSABlocks`): from `qsa_blocks` with the same ``compress_ratio``.
         compress_ratio (`int`): r. block_topk (`int`): ``indexer_budget // indexer_compress_ratio``, >= 1.
         query_chunk (`int`, *optional*): queries scored at once (default: at most ``max_seqlen``, within a ~256 MiB
