@@ -26,7 +26,8 @@ The steps, in the order the patched indexer and attention call them:
    (``blocks.tokens[:, 0]``): positions restart per sample, so that equals transformers' per-sample rope.
 3. `qsa_select`: scores ``relu(q · key)`` summed over indexer heads ``/ sqrt(head_dim)`` in fp32 against the
    query's own visible blocks only, and keeps the top ``block_topk`` per query. Ties (common: relu makes exact-zero
-   scores) go to the lower block index (a stable descending sort); ``torch.topk`` documents no tie order.
+   scores) go to the lower block index (``topk`` over keys made unique by the block order: a stable descending
+   sort's first k); ``torch.topk`` on the scores alone documents no tie order.
    Runs under ``no_grad``: the selection is indices, so the indexer gets no gradient from the LM loss, as in
    transformers.
 4. `qsa_attention`: attention of each query over its selected keys (GQA, ``scaling`` given), differentiable in q, k
@@ -34,12 +35,30 @@ The steps, in the order the patched indexer and attention call them:
 
    - ``reference``: one SDPA over the pack with the dense ``(T, T)`` mask of `qsa_mask` (same sample, causal,
      selected); exact, O(T²) memory, for tests and short packs.
-   - ``gather``: each query's selected keys gathered, ``(T, K, H_kv, D)`` with ``K = block_topk·r + r - 1``, and an
-     fp32 softmax over them; memory and FLOPs grow with ``T·K``, not ``T²`` (chunked over queries). The default.
+   - ``gather``: each query's selected keys gathered, ``(T, K, H_kv, D)`` with ``K = block_topk·r + r - 1``, and
+     one SDPA with the queries as its batch; memory and FLOPs grow with ``T·K``, not ``T²`` (chunked over
+     queries). The default.
+
+No ``flex_attention`` backend: the selection differs from query to query, so nearly every 128 x 128 tile of a
+block mask would be partial and flex would do the dense causal work (and on CPU it runs only eager or after a
+~30 s compile); ``gather`` does ``K`` keys per query.
+
+How the patched layer calls them (``raw_keys`` ``(T, D_idx)`` and ``q_idx`` ``(T, H_idx, D_idx)`` from the indexer's
+projection, ``q_idx`` after ``q_layernorm`` and rope; ``cos``/``sin`` ``(T, rotary_dim)`` at positions restarting
+per sample)::
+
+    blocks = qsa_blocks(seqs, total=T, compress_ratio=r)
+    first = blocks.tokens[:, 0]
+    keys = indexer.k_layernorm(qsa_pool_keys(raw_keys, blocks))[:, None]
+    keys = apply_rotary_pos_emb(keys, cos=cos[first], sin=sin[first]).squeeze(1)  # transformers' helper
+    selection = qsa_select(q_idx, keys, seqs, blocks, compress_ratio=r, block_topk=indexer.block_topk)
+    out = qsa_attention(q, k, v, selection, blocks, seqs, compress_ratio=r, scaling=attn.scaling)  # (T, H_q, D)
 
 `qsa_token_index` gives each query's selected pack token indices ``(T, K)``, ``-1`` padded (transformers'
-``selected_token_indices``, in pack coordinates). `reference_qsa_mask` is the oracle: a plain per-sample,
-per-query loop that mirrors transformers' indexer, with the same tie rule.
+``selected_token_indices``, in pack coordinates); `qsa_selection_leaks` counts those outside the query's own sample
+or after it (zero for any `qsa_select` output; tests plant one to see it fire). Both backends AND the selection
+with the pack's block-causal mask, as transformers ANDs it with the causal mask. `reference_qsa_mask` is the
+oracle: a plain per-sample, per-query loop that mirrors transformers' indexer, with the same tie rule.
 """
 
 from __future__ import annotations
@@ -86,6 +105,16 @@ class QSASelection(NamedTuple):
 
     blocks: torch.Tensor
     tail_start: torch.Tensor
+
+
+def _check_seqs(seqs: PackedSequences, device: torch.device) -> None:
+    """``cu_seqlens`` as the kernels take it: int32 on the data's device (a copy from the host would wait)."""
+    cu = seqs.cu_seqlens
+    if cu.dtype != torch.int32 or cu.device != device or cu.dim() != 1:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32 tensor on {device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}; "
+            "build it with PackedSequences.from_seqlens(..., device=...) or the collator's batch"
+        )
 
 
 def _check_ratio(compress_ratio: int, block_topk: int | None = None) -> None:
@@ -138,15 +167,16 @@ def qsa_pool_keys(raw_keys: torch.Tensor, blocks: QSABlocks) -> torch.Tensor:
     return groups.float().mean(dim=1).to(raw_keys.dtype)
 
 
-def _query_chunk(total: int, per_query: int, query_chunk: int | None) -> int:
-    """Queries per chunk: all of them under ``torch.compile`` (a loop over ``T`` would specialise the graph)."""
-    if query_chunk is not None:
-        if query_chunk < 1:
-            raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
-        return query_chunk
-    if torch.compiler.is_compiling():
-        return max(total, 1)
-    return max(1, min(total, CHUNK_ELEMENTS // max(per_query, 1)))
+def _query_spans(total: int, per_query: int, query_chunk: int | None) -> list[tuple[int, int]]:
+    """``[(lo, hi), ...]`` query chunks of at most ``query_chunk`` queries (default: `CHUNK_ELEMENTS` of
+    workspace at ``per_query`` values per query). One span under ``torch.compile``: a loop over ``range(T)`` would
+    specialise the graph on ``T``."""
+    if query_chunk is not None and query_chunk < 1:
+        raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
+    if query_chunk is None and torch.compiler.is_compiling():
+        return [(0, total)]
+    chunk = query_chunk or max(1, CHUNK_ELEMENTS // max(per_query, 1))
+    return [(lo, min(lo + chunk, total)) for lo in range(0, total, chunk)]
 
 
 def qsa_select(
@@ -169,11 +199,13 @@ def qsa_select(
         q_index (`torch.Tensor` of shape `(T, H_idx, D_idx)`): the indexer's queries after ``q_layernorm`` and rope.
         block_keys (`torch.Tensor` of shape `(NB, D_idx)`): per block, `qsa_pool_keys` then ``k_layernorm`` and the
             rope at ``blocks.tokens[:, 0]``.
-        seqs (`PackedSequences`): the boundaries; ``max_seqlen`` (a Python int) bounds the candidates per query.
+        seqs (`PackedSequences`): the boundaries (``cu_seqlens[-1] == T``: the stream holds real tokens only);
+            ``max_seqlen`` (a Python int) bounds the candidates per query.
         blocks (`QSABlocks`): from `qsa_blocks` with the same ``compress_ratio``.
         compress_ratio (`int`): r. block_topk (`int`): ``indexer_budget // indexer_compress_ratio``, >= 1.
-        query_chunk (`int`, *optional*): queries scored at once (default: a ~256 MiB fp32 workspace; all under
-            ``torch.compile``). Peak workspace ``query_chunk · (max_seqlen // r) · (D_idx + H_idx)`` fp32 values.
+        query_chunk (`int`, *optional*): queries scored at once (default: at most ``max_seqlen``, within a ~256 MiB
+            fp32 workspace; all of them under ``torch.compile``). The workspace is ``query_chunk · H_idx · W`` fp32
+            values with ``W = (query_chunk + max_seqlen) // r + 1`` blocks (``T // r`` for one chunk).
 
     Returns:
         `QSASelection`: ``blocks`` `(T, min(block_topk, max_seqlen // r))` int64 and ``tail_start`` `(T,)` int64.
@@ -184,6 +216,7 @@ def qsa_select(
             f"qsa_select needs q_index (T, H_idx, D_idx) and block_keys (NB, D_idx); got {tuple(q_index.shape)} "
             f"and {tuple(block_keys.shape)}"
         )
+    _check_seqs(seqs, q_index.device)
     total, _, head_dim = q_index.shape
     candidates = seqs.max_seqlen // compress_ratio  # M: local block slots per query
     k = min(block_topk, candidates)
@@ -195,21 +228,35 @@ def qsa_select(
     if k == 0 or total == 0:
         return QSASelection(q_index.new_full((total, k), -1, dtype=torch.int64), tail_start)
     first = blocks.first.to(q_index.device)[sample]  # (T,) the query's sample's first block id
+    n_blocks, heads = block_keys.shape[0], q_index.shape[1]
     local = torch.arange(candidates, device=q_index.device)
-    chunk = _query_chunk(total, candidates * (head_dim + q_index.shape[1]), query_chunk)
+    rank = torch.arange(k, device=q_index.device)
+    # Scores come from one matmul per query chunk against a window of blocks (no per-query gather of keys): the
+    # blocks of every sample the chunk touches lie in ``first[sample(lo)] + [0, W)`` with
+    # ``W = (chunk + max_seqlen) // r + 1``, so the chunk's work is at most ~2x the visible blocks' when the chunk
+    # is at most ``max_seqlen`` queries.
+    if query_chunk is None and not torch.compiler.is_compiling():
+        query_chunk = max(1, min(seqs.max_seqlen, CHUNK_ELEMENTS // (2 * heads * (candidates + 1))))
+    spans = _query_spans(total, heads * (candidates + 1), query_chunk)
     picked = []
     with torch.no_grad():
-        for lo in range(0, total, chunk):
-            hi = min(lo + chunk, total)
-            visible = local[None, :] < n_visible[lo:hi, None]  # (C, M)
-            ids = torch.where(visible, first[lo:hi, None] + local[None, :], 0)
-            keys = block_keys.index_select(0, ids.flatten()).view(hi - lo, candidates, head_dim).float()
-            scores = torch.einsum("chd,cmd->chm", q_index[lo:hi].float(), keys)
-            scores = scores.relu().sum(dim=1) / math.sqrt(head_dim)
-            scores = scores.masked_fill(~visible, float("-inf"))
-            # a stable descending sort: equal scores keep their block order, so ties go to the lower block
-            order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-            rank = torch.arange(k, device=q_index.device)
+        for lo, hi in spans:
+            if len(spans) == 1:  # the whole pack (and the only form under torch.compile: no guard on T)
+                start, width = first.new_zeros(()), n_blocks
+            else:
+                start, width = first[lo], min(n_blocks, (hi - lo + seqs.max_seqlen) // compress_ratio + 1)
+            window = (start + torch.arange(width, device=q_index.device)).clamp(max=n_blocks - 1)
+            keys = block_keys.index_select(0, window).float()  # (W, D_idx)
+            window_scores = torch.einsum("chd,wd->chw", q_index[lo:hi].float(), keys)
+            window_scores = window_scores.relu().sum(dim=1) / math.sqrt(head_dim)  # (C, W)
+            visible = local[None, :] < n_visible[lo:hi, None]  # (C, M): candidate j is the sample's j-th block
+            slot = torch.where(visible, first[lo:hi, None] - start + local[None, :], 0)
+            scores = window_scores.gather(1, slot).masked_fill(~visible, float("-inf"))
+            # ties go to the lower block: topk over unique int64 keys (the score's fp32 bits, then the block order
+            # reversed) is a stable descending sort's first k at topk's cost. Visible scores are >= 0, whose bit
+            # patterns order as int32 as the floats do (``+ 0.0`` turns a -0.0 into 0.0); -inf's are negative.
+            bits = (scores + 0.0).view(torch.int32).to(torch.int64)
+            order = (bits * (1 << 32) + (candidates - 1 - local)).topk(k, dim=-1).indices
             picked.append(torch.where(rank[None, :] < n_visible[lo:hi, None], first[lo:hi, None] + order, -1))
     return QSASelection(torch.cat(picked, dim=0), tail_start)
 
@@ -271,6 +318,22 @@ def qsa_mask(selection: QSASelection, seqs: PackedSequences, *, compress_ratio: 
     return causal & (in_block | tail)
 
 
+def qsa_selection_leaks(selection: QSASelection, blocks: QSABlocks, seqs: PackedSequences, *, compress_ratio: int):
+    """Per query, how many of its selected tokens (`qsa_token_index`) lie outside its own sample's tokens up to
+    itself: all zero for any `qsa_select` output. The check tests and patched-model tests apply to a selection.
+
+    Returns:
+        `torch.LongTensor` of shape `(T,)`.
+    """
+    index = qsa_token_index(selection, blocks, compress_ratio=compress_ratio)
+    total = index.shape[0]
+    sample, _ = token_sequences(seqs, total, index.device)
+    safe = index.clamp(min=0)
+    query = torch.arange(total, device=index.device)[:, None]
+    outside = (index >= 0) & ((safe > query) | (sample[safe] != sample[:, None]))
+    return outside.sum(dim=1)
+
+
 def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: QSASelection) -> None:
     """The contract every backend keeps, as a kernel would enforce it."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or not (q.shape[0] == k.shape[0] == v.shape[0]):
@@ -287,6 +350,8 @@ def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
             f"qsa_attention needs q, k, v in one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them "
             "(under autocast, to the autocast dtype) before the call"
         )
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError("qsa_attention needs q, k, v with a contiguous last dim (as attention kernels do)")
     for name, t in (("selection.blocks", selection.blocks), ("selection.tail_start", selection.tail_start)):
         if t.dtype != torch.int64 or t.device != q.device:
             raise ValueError(f"{name} must be int64 on {q.device}, got {t.dtype} on {t.device}; use qsa_select's")
@@ -329,7 +394,8 @@ def gather_qsa_attention(
     dropout: float = 0.0,
     query_chunk: int | None = None,
 ) -> torch.Tensor:
-    """`qsa_attention`'s ``gather`` backend: each query's ``K`` selected keys and values gathered, an fp32 softmax.
+    """`qsa_attention`'s ``gather`` backend: each query's ``K`` selected keys and values gathered, then one SDPA
+    call with the queries as its batch (q-length: the query heads of a kv group; fp32 softmax inside SDPA).
 
     ``query_chunk`` bounds the gathered workspace (``chunk · K · H_kv · (D + D_v)`` values; under autograd the
     gathered chunks are kept for the backward).
@@ -338,23 +404,23 @@ def gather_qsa_attention(
     total, n_keys = index.shape
     h_q, h_kv, dim = q.shape[1], k.shape[1], q.shape[2]
     groups = h_q // h_kv
-    valid = index >= 0
     safe = index.clamp(min=0)
-    chunk = _query_chunk(total, n_keys * h_kv * (dim + v.shape[-1]) + h_q * n_keys, query_chunk)
+    # the selection ANDed with the pack's block-causal mask, as transformers ANDs it with the causal mask (and as
+    # the reference's `qsa_mask` does): a selection that names another sample's key cannot reach it
+    sample, _ = token_sequences(seqs, total, q.device)
+    query = torch.arange(total, device=q.device)[:, None]
+    valid = (index >= 0) & (safe <= query) & (sample[safe] == sample[:, None])
     outs = []
-    for lo in range(0, total, chunk):
-        hi = min(lo + chunk, total)
+    for lo, hi in _query_spans(total, n_keys * h_kv * (dim + v.shape[-1]) + h_q * n_keys, query_chunk):
         ids = safe[lo:hi].flatten()
-        ks = k.index_select(0, ids).view(hi - lo, n_keys, h_kv, dim)
-        vs = v.index_select(0, ids).view(hi - lo, n_keys, h_kv, v.shape[-1])
-        qs = q[lo:hi].view(hi - lo, h_kv, groups, dim)
-        scores = torch.einsum("cgrd,ckgd->cgrk", qs.float(), ks.float()) * scaling
-        scores = scores.masked_fill(~valid[lo:hi, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        if dropout:
-            probs = F.dropout(probs, p=dropout)
-        out = torch.einsum("cgrk,ckgd->cgrd", probs, vs.float())
-        outs.append(out.reshape(hi - lo, h_q, v.shape[-1]).to(q.dtype))
+        # one tiny attention per query: batch = queries, heads = kv heads, "sequence" = the query heads of a kv
+        # group (GQA without repeating k/v) against the query's K keys
+        ks = k.index_select(0, ids).view(hi - lo, n_keys, h_kv, dim).transpose(1, 2)
+        vs = v.index_select(0, ids).view(hi - lo, n_keys, h_kv, v.shape[-1]).transpose(1, 2)
+        qs = q[lo:hi].reshape(hi - lo, h_kv, groups, dim)
+        mask = valid[lo:hi, None, None, :]
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        outs.append(out.reshape(hi - lo, h_q, v.shape[-1]))
     if not outs:
         return q.new_zeros(0, h_q, v.shape[-1])
     return torch.cat(outs, dim=0)
@@ -377,7 +443,7 @@ def qsa_attention(
 
     Args:
         q (`torch.Tensor` of shape `(T, H_q, D)`), k (`(T, H_kv, D)`), v (`(T, H_kv, D_v)`): one floating dtype
-            (cast them first under autocast), ``H_q % H_kv == 0`` (GQA).
+            (cast them first under autocast), ``H_q % H_kv == 0`` (GQA), each with a contiguous last dim.
         selection (`QSASelection`), blocks (`QSABlocks`), seqs (`PackedSequences`): from `qsa_select` /
             `qsa_blocks` on the same pack.
         compress_ratio (`int`): r. scaling (`float`): the softmax scale (the attention module's ``scaling``).
@@ -390,6 +456,7 @@ def qsa_attention(
     if backend not in QSA_BACKENDS:
         raise ValueError(f"unknown QSA attention backend {backend!r}; choose one of {QSA_BACKENDS}")
     _check_ratio(compress_ratio)
+    _check_seqs(seqs, q.device)
     _check_attention_inputs(q, k, v, selection)
     fn = gather_qsa_attention if backend == "gather" else reference_qsa_attention
     return fn(q, k, v, selection, blocks, seqs, compress_ratio=compress_ratio, scaling=scaling, dropout=dropout)
