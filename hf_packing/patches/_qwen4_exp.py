@@ -158,9 +158,12 @@ def packed_qsa(indexer, hidden_states, position_embeddings, seqs: PackedSequence
         keys = rotary(
             pooled.unsqueeze(1), cos=cos.index_select(0, first), sin=sin.index_select(0, first), unsqueeze_dim=1
         ).squeeze(1)
-        selection = sparse_attention.qsa_select(
-            q, keys, seqs, blocks, compress_ratio=ratio, block_topk=indexer.block_topk
-        )
+        # scores in fp32 as transformers writes them (``.float()`` before its matmul); under autocast a matmul would
+        # come back in half precision, and the selection orders the fp32 scores' bits
+        with torch.autocast(hidden.device.type, enabled=False):
+            selection = sparse_attention.qsa_select(
+                q.float(), keys.float(), seqs, blocks, compress_ratio=ratio, block_topk=indexer.block_topk
+            )
     return PackedQSA(selection, blocks, ratio)
 
 
