@@ -350,6 +350,18 @@ def test_attention_bf16_close_to_fp32():
     assert fast.dtype == torch.bfloat16 and fast_err <= 2 * plain_err
 
 
+def test_selection_is_fp32_under_autocast():
+    """Autocast would run the scoring matmul in bf16 (and the top-k orders fp32 bit patterns): the selection under
+    autocast equals the one without."""
+    seqs = PackedSequences.from_seqlens([30, 19])
+    generator = torch.Generator().manual_seed(5)
+    q, raw = torch.randn(49, 2, 8, generator=generator), torch.randn(49, 8, generator=generator)
+    plain = _fast_mask(q, raw, seqs, 4, 2, query_chunk=7)[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = _fast_mask(q, raw, seqs, 4, 2, query_chunk=7)[1]
+    assert torch.equal(plain.blocks, autocast.blocks)
+
+
 def test_the_indexer_gets_no_gradient():
     """The selection is indices: no graph reaches the indexer's queries or keys (as in transformers)."""
     seqs = PackedSequences.from_seqlens([20, 7])

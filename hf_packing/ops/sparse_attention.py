@@ -230,7 +230,9 @@ def _block_scores(
         # against 86 ms for chunks of max_seqlen and 67 ms for chunks of 64)
         query_chunk = max(1, min(max(64, seqs.max_seqlen // 4), CHUNK_ELEMENTS // (2 * heads * (candidates + 1))))
     spans = _query_spans(total, heads * (candidates + 1), query_chunk)
-    with torch.no_grad():
+    # fp32 as documented even under autocast (which would run the matmul in half precision): `qsa_select` orders
+    # the fp32 scores' bit patterns
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
         for lo, hi in spans:
             if len(spans) == 1:  # the whole pack (and the only form under torch.compile: no guard on T)
                 start, width = first.new_zeros(()), n_blocks
