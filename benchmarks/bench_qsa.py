@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -197,15 +198,21 @@ def main() -> None:
         ],
         rows,
     )
+    intro = " ".join(
+        f"""The indexer's forward on 4 samples: transformers' module on padded rows vs `hf_packing.ops.sparse_attention`
+on their pack, the same weights (hidden {args.hidden}, {args.heads} indexer heads of {args.head_dim}, budget
+{args.budget} in blocks of {args.ratio}: top-{args.budget // args.ratio} blocks), fp32, no_grad; medians of
+{args.repeats} interleaved rounds after 1 warm-up. "ours" is the whole packed indexer: projection, norms, rope,
+blocks, pooling, scores, top-k and the token index. "rows equal": queries with identical selected keys (the rest
+would be ties at the k-th place, which transformers' `topk` breaks in no documented order and ours to the lower
+block). Attention columns: forward + backward over the selected keys (4 query / 2 kv heads of 32): transformers'
+sdpa on the padded rows with its mask vs our two backends on the pack. The machine is shared: see the load
+averages; the arms of a row ran interleaved in one process, so their ratio holds better than their absolute
+times.""".split()
+    )
     body = f"""## Qwen4-Exp QSA indexer: transformers vs packed (`bench_qsa.py`)
 
-The indexer's forward on 4 samples: transformers' module on padded rows vs `hf_packing.ops.sparse_attention` on
-their pack, the same weights (hidden {args.hidden}, {args.heads} indexer heads of {args.head_dim}, budget
-{args.budget} in blocks of {args.ratio}, so top-{args.budget // args.ratio} blocks), fp32, no_grad; medians of
-{args.repeats} interleaved rounds after 1 warm-up. "rows equal": queries with identical selected keys (the rest are
-ties at the k-th place, which transformers' `topk` breaks in no documented order and ours to the lower block; the
-tests compare them outside the tie band). Attention columns: forward + backward over the selected keys (4 query /
-2 kv heads of 32): transformers' sdpa on the padded rows with its mask vs our two backends on the pack.
+{textwrap.fill(intro, 118, break_on_hyphens=False)}
 
 {table}
 

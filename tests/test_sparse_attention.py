@@ -18,6 +18,7 @@ from hf_packing.ops.sparse_attention import (
     qsa_pool_keys,
     qsa_select,
     qsa_selection_leaks,
+    qsa_tied_queries,
     qsa_token_index,
     reference_qsa_mask,
 )
@@ -90,17 +91,15 @@ def test_selection_equals_oracle(ratio: int, budget: int, heads: int):
         )
         assert torch.equal(mask, oracle), f"pack {seqlens}: {(mask != oracle).any(dim=1).sum()} rows differ"
         assert not (mask & ~create_block_causal_mask(seqlens)).any()
-        assert int(qsa_selection_leaks(selection, qsa_blocks(seqs, total=total, compress_ratio=ratio), seqs,
-                                       compress_ratio=ratio).sum()) == 0  # fmt: skip
-        ties += _straddled_ties(q, raw, seqs, ratio, budget // ratio)
+        blocks = qsa_blocks(seqs, total=total, compress_ratio=ratio)
+        assert int(qsa_selection_leaks(selection, blocks, seqs, compress_ratio=ratio).sum()) == 0
+        band_rows = _tie_band(q, raw, seqs, ratio, budget // ratio, _first_token_key, tol=0.0).any(dim=1)
+        keys = _first_token_key(qsa_pool_keys(raw, blocks), blocks.tokens[:, 0])
+        tied = qsa_tied_queries(q, keys, seqs, blocks, compress_ratio=ratio, block_topk=budget // ratio, rtol=0.0)
+        assert torch.equal(tied, band_rows)
+        ties += int(tied.sum())
     if heads == 1 and ratio < budget:
         assert ties > 0, "no tie straddled the k-th place: the tie rule went untested"
-
-
-def _straddled_ties(q, raw, seqs, ratio, topk) -> int:
-    """Queries whose k-th and (k+1)-th best visible block scores are equal: where the tie rule decides."""
-    band = _tie_band(q, raw, seqs, ratio, topk, _first_token_key, tol=0.0)
-    return int(band.any(dim=1).sum())
 
 
 def _tie_band(q, raw, seqs, ratio, topk, key_fn, tol: float) -> torch.Tensor:
@@ -237,7 +236,12 @@ def _packed_selection(indexer, hidden: torch.Tensor, seqs: PackedSequences):
 
         mask, _ = _fast_mask(q, raw, seqs, indexer.compress_ratio, indexer.block_topk, key_fn=key_fn)
         band = _tie_band(q, raw, seqs, indexer.compress_ratio, indexer.block_topk, key_fn, tol=1e-4)
-    return mask, band
+        blocks = qsa_blocks(seqs, total=total, compress_ratio=indexer.compress_ratio)
+        keys = key_fn(qsa_pool_keys(raw, blocks), blocks.tokens[:, 0])
+        tied = qsa_tied_queries(
+            q, keys, seqs, blocks, compress_ratio=indexer.compress_ratio, block_topk=indexer.block_topk, rtol=1e-4
+        )
+    return mask, band, tied
 
 
 @pytest.mark.parametrize(("ratio", "budget"), [(4, 8), (2, 6), (3, 3), (8, 16)])
@@ -253,13 +257,14 @@ def test_selection_equals_transformers(ratio: int, budget: int, heads: int):
     for seqlens in _packs(ratio, budget):
         seqs = PackedSequences.from_seqlens(seqlens)
         hidden = torch.randn(sum(seqlens), 32, generator=torch.Generator().manual_seed(sum(seqlens)))
-        mask, band = _packed_selection(indexer, hidden, seqs)
+        mask, band, tied = _packed_selection(indexer, hidden, seqs)
         expected = torch.zeros_like(mask)
         for start, end in zip(seqs.cu_seqlens.tolist()[:-1], seqs.cu_seqlens.tolist()[1:]):
             expected[start:end, start:end] = _transformers_selection(indexer, hidden[start:end])
         differ = (mask != expected) & ~band
         assert not differ.any(), f"pack {seqlens}: {int(differ.any(1).sum())} rows differ outside a tie"
         assert torch.equal(mask.sum(1), expected.sum(1))
+        assert not ((mask != expected).any(1) & ~tied).any()  # what differs, `qsa_tied_queries` flags
         assert not (mask & ~create_block_causal_mask(seqlens)).any()
         assert int(band.any(1).sum()) <= 0.2 * mask.shape[0]  # most rows are compared whole
 
@@ -343,6 +348,18 @@ def test_attention_bf16_close_to_fp32():
     fast_err, plain_err = ((o.float() - exact).abs().max().item() for o in (fast, plain))
     print(f"bf16 error vs fp32: gather {fast_err:.2e}, SDPA {plain_err:.2e}")
     assert fast.dtype == torch.bfloat16 and fast_err <= 2 * plain_err
+
+
+def test_selection_is_fp32_under_autocast():
+    """Autocast would run the scoring matmul in bf16 (and the top-k orders fp32 bit patterns): the selection under
+    autocast equals the one without."""
+    seqs = PackedSequences.from_seqlens([30, 19])
+    generator = torch.Generator().manual_seed(5)
+    q, raw = torch.randn(49, 2, 8, generator=generator), torch.randn(49, 8, generator=generator)
+    plain = _fast_mask(q, raw, seqs, 4, 2, query_chunk=7)[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = _fast_mask(q, raw, seqs, 4, 2, query_chunk=7)[1]
+    assert torch.equal(plain.blocks, autocast.blocks)
 
 
 def test_the_indexer_gets_no_gradient():
