@@ -96,7 +96,10 @@ def test_decoder_layers_compile_whole_and_match_eager(model_type):
         assert grads.keys() == ref_grads.keys()
         for name in grads:
             torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
-    assert 1 <= backend.graphs <= 2
+    # Qwen4-Exp: three layer kinds share the decoder layer's forward (linear with PLE, linear, QSA), one graph each
+    # (dynamo guards on the module's children), and the plain linear kind, compiled as a recompile, specialises on the
+    # first pack's cu_seqlens size once (TORCH_LOGS=recompiles: "cu_seqlens size mismatch, expected 2, actual 3")
+    assert 1 <= backend.graphs <= (4 if model_type == "qwen4_exp" else 2)
 
 
 def test_qwen3_5_linear_attention_compiles_once_for_all_packs():

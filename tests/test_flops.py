@@ -6,7 +6,9 @@ per text document (each document runs alone, unpadded). The text reference halve
 convention counts causal attention as half the square) and adds the LM head's 6·H·V per token analytically.
 MoE experts run their eager loop (``grouped_mm`` is not counted). Qwen3.5's Gated DeltaNet recurrence is
 stubbed in the reference and its model-FLOP term 18·S·T left out of ours: the projections and the conv are
-compared, the recurrence's term is a convention (see `hf_packing.training.flops`).
+compared, the recurrence's term is a convention (see `hf_packing.training.flops`). Qwen4-Exp's QSA layers: the
+reference scales their ``bmm`` by the fraction of the square transformers' own indexer keeps (its selection and the
+causal mask), and counts the indexer's projections and per-query scoring ``mm`` as they run (forward only).
 """
 
 from __future__ import annotations
@@ -76,18 +78,41 @@ def test_vision_flops_equal_flop_counter_on_the_tower(eager_model, pack, frozen)
     assert ours["vision"] == pytest.approx(reference, rel=0.03)
 
 
-def _text_reference(model, lengths: list[int]) -> float:
-    """Decoder layers run per document under FlopCounterMode, attention ``bmm`` halved, + LM head 6·H·V·T."""
+def _kept_fraction(model, n: int, monkeypatch) -> list[float]:
+    """Qwen4-Exp: record, per QSA layer call, the fraction of the ``n × n`` square that transformers' own indexer
+    keeps (its selection AND the causal mask)."""
+    indexer = type(model.model.language_model.layers[1].self_attn.indexer)
+    original, kept = indexer.forward, []
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values):
+        selected = original(self, hidden_states, position_embeddings, attention_mask, past_key_values)
+        visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        kept.append((selected & visible).sum().item() / n**2)
+        return selected
+
+    monkeypatch.setattr(indexer, "forward", forward)
+    return kept
+
+
+def _text_reference(model, lengths: list[int], monkeypatch=None) -> float:
+    """Decoder layers run per document under FlopCounterMode, attention ``bmm`` halved (Qwen4-Exp's QSA layers:
+    scaled by the fraction of the square transformers' indexer keeps), + LM head 6·H·V·T."""
     config = model.config.get_text_config()
+    qsa = getattr(config, "indexer_compress_ratio", None) is not None
     total = 0.0
     for n in lengths:
         embeds = torch.randn(1, n, config.hidden_size, requires_grad=True)
         positions = torch.arange(n).expand(3, 1, -1)
+        # Qwen4-Exp's PLE reads token ids: given with inputs_embeds, or it would reverse the embedding
+        ids = {"ple_input_ids": torch.randint(0, config.vocab_size, (1, n))} if qsa else {}
+        kept = _kept_fraction(model, n, monkeypatch) if qsa else []
         with FlopCounterMode(display=False) as counter:
             model.model.language_model(
-                inputs_embeds=embeds, position_ids=positions, use_cache=False
+                inputs_embeds=embeds, position_ids=positions, use_cache=False, **ids
             ).last_hidden_state.sum().backward()
         ops = {str(op): c for op, c in counter.get_flop_counts()["Global"].items()}
+        if kept:  # every softmax layer is a QSA layer: its dense bmm (forward and backward) times what it keeps
+            ops["aten.bmm"] = 2 * ops["aten.bmm"] * sum(kept) / len(kept)
         if "aten.convolution_backward" in ops:
             # Qwen3.5's depthwise conv: torch 2.14's counter ignores `groups` for the input gradient (129× the
             # forward for 128 channels); its backward is the input + weight gradient, 2× the forward
@@ -107,12 +132,12 @@ def test_text_flops_equal_flop_counter_on_the_decoder_layers(eager_model, length
     ours = text_flops(eager_model, lengths)
     config = eager_model.config.get_text_config()
     expected = ours
-    if eager_model.config.model_type.startswith("qwen3_5"):
+    if eager_model.config.model_type.startswith(("qwen3_5", "qwen4_exp")):
         module = __import__(type(eager_model).__module__, fromlist=["torch_chunk_gated_delta_rule"])
         monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", _no_recurrence)
         state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
         expected -= 18.0 * config.layer_types.count("linear_attention") * state * sum(lengths)
-    reference = _text_reference(eager_model, lengths)
+    reference = _text_reference(eager_model, lengths, monkeypatch)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     assert training_flops(eager_model, {"input_ids": torch.zeros(1, sum(lengths)), "cu_seqlens": cu})["text"] == ours
     print(f"{eager_model.config.model_type} {lengths}: ours {expected:.6e} ref {reference:.6e}")
@@ -137,3 +162,20 @@ def test_linear_attention_term_is_linear_in_tokens():
     assert (counts.attention_layers, counts.linear_layers, counts.linear_state) == (1, 1, 4 * 16 * 16)
     one_doc, two_docs = text_flops(model, [1000]), text_flops(model, [500, 500])
     assert one_doc - two_docs == pytest.approx(6 * counts.attention_dim * (1000**2 - 2 * 500**2))
+
+
+def test_negative_control_qsa_counted_as_dense_attention_is_off(monkeypatch):
+    """Qwen4-Exp: counting its QSA layer as dense causal attention (what ``text(tokens, sum_sq_lens)`` gives, the
+    telemetry's upper bound) must miss the reference by more than the tolerance; `text_flops` (exact per query's
+    selected keys) meets it."""
+    model = build_tiny_model("qwen4_exp", attn_implementation="eager", experts_implementation="eager").train()
+    module = __import__(type(model).__module__, fromlist=["torch_chunk_gated_delta_rule"])
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", _no_recurrence)
+    counts, lengths = cost_model(model), [120]
+    recurrence = 18.0 * counts.linear_layers * counts.linear_state * sum(lengths)
+    reference = _text_reference(model, lengths, monkeypatch)
+    dense = counts.text(tokens=120.0, sum_sq_lens=120.0**2) - recurrence
+    ours = text_flops(model, lengths) - recurrence
+    print(f"qwen4_exp {lengths}: dense {dense:.4e}, ours {ours:.4e}, ref {reference:.4e}")
+    assert dense != pytest.approx(reference, rel=0.03)
+    assert ours == pytest.approx(reference, rel=0.03)

@@ -58,6 +58,8 @@ def _layers(model_type: str, n: int) -> dict:
     text = {"num_hidden_layers": n}
     if model_type.startswith("qwen3_5"):
         text["layer_types"] = ["linear_attention", "full_attention"] * (n // 2)
+    elif model_type == "qwen4_exp":  # PLE on the first linear layer, QSA on every indexed one
+        text["layer_types"] = ["linear_attention", "indexed_attention"] * (n // 2)
     return {"text_config": text}
 
 
@@ -174,8 +176,9 @@ def gate(model_type: str) -> list[str]:
     return failures
 
 
-#: three families in the default run, the others under -m slow (each family is a whole gate run)
-FAST = ("qwen2_5_vl", "qwen3_vl", "glm4v")
+#: four families in the default run, the others under -m slow (each family is a whole gate run); Qwen4-Exp for its
+#: own token mixers (PLE, the QSA indexer), GLM-4.1V for its frames-as-images vision path, which no other family runs
+FAST = ("qwen2_5_vl", "qwen3_vl", "glm4v", "qwen4_exp")
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ PROCESSOR_CLASS = {
     "qwen3_vl_moe": "Qwen3VLProcessor",
     "qwen3_5": "Qwen3VLProcessor",
     "qwen3_5_moe": "Qwen3VLProcessor",
+    "qwen4_exp": "Qwen3VLProcessor",
 }
 MODEL_CLASS = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
@@ -40,6 +41,7 @@ MODEL_CLASS = {
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen4_exp": "Qwen4ExpForConditionalGeneration",
 }
 IMAGE_PAD, VIDEO_PAD = TOKEN_IDS["<|image_pad|>"], TOKEN_IDS["<|video_pad|>"]
 
@@ -94,10 +96,10 @@ def _assert_image_tokens(batch, merge: int = 2) -> None:
 def test_fixture_processor_class(model_type: str, processor) -> None:
     assert type(processor).__name__ == PROCESSOR_CLASS[model_type]
     assert type(processor.tokenizer).__name__ == (
-        "Qwen3_5Tokenizer" if model_type.startswith("qwen3_5") else "Qwen2Tokenizer"
+        "Qwen3_5Tokenizer" if model_type.startswith(("qwen3_5", "qwen4")) else "Qwen2Tokenizer"
     )
     assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"
-    assert processor.image_processor.patch_size == (16 if model_type.startswith("qwen3") else 14)
+    assert processor.image_processor.patch_size == (16 if model_type.startswith(("qwen3", "qwen4")) else 14)
     assert sum(f.stat().st_size for f in (FIXTURES / model_type).iterdir()) < 1_000_000
 
 
@@ -202,7 +204,7 @@ def test_video_from_numpy_frames(model_type: str, processor, model) -> None:
     assert int((batch["input_ids"] == VIDEO_PAD).sum()) == int(grid.prod()) // 4
     decoded = processor.tokenizer.decode(batch["input_ids"][0])
     # Qwen3-VL splits a video per temporal patch, each preceded by a "<t seconds>" timestamp.
-    assert ("seconds>" in decoded) == model_type.startswith("qwen3")
+    assert ("seconds>" in decoded) == model_type.startswith(("qwen3", "qwen4"))
     with torch.no_grad():
         out = model(**batch, labels=batch["input_ids"])
     assert torch.isfinite(out.loss)

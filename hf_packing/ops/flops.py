@@ -11,6 +11,11 @@ a sample's metadata: tokens n, P = Σ t·h·w and Q = Σ t·(h·w)²)::
             LM head H·V (even when tied); norms, biases and the embedding lookup are not matmuls.
             L softmax layers, d = heads·head_dim: QKᵀ and AV, 4·d·len² forward, ½ for the causal mask, ×3.
             L_lin Gated DeltaNet layers, S = value heads·d_k·d_v: state read by k, written, read by q (model FLOPs).
+            Qwen4-Exp's QSA layers (`ModelFlops.text_of`, exact per document): 12·d per selected (query, key) pair
+            instead of the causal square, the indexer 2·H_idx·D_idx per (query, visible block) and 2·N_idx per token
+            (forward only: no gradient reaches it); its PLE n-gram tables are lookups, its conv and
+            hyper-connection mixers matmul weights in N. The telemetry and the packer's balance, which see only
+            Σ len², count QSA layers as dense causal attention (an upper bound).
     vision  P = Σ t·h·w patches, m = spatial_merge_size:
             patch embedding 2·N_pe·P forward (its backward computes only the weight gradient: ×2 in all),
             blocks 2·N_blk·P, merger and DeepStack mergers 2·N_mrg·P/m² (they run on merged tokens; GLM-V's
@@ -45,7 +50,7 @@ __all__ = ["ModelFlops", "num_experts"]
 
 #: weights read by lookup or interpolation, not multiplied: token embeddings, the vision position tables (Qwen's
 #: ``pos_embed``, GLM-V's ``embeddings.position_embedding``), and the LM head (counted as H·V analytically)
-_LOOKUPS = ("embed_tokens", "pos_embed", "position_embedding", "lm_head")
+_LOOKUPS = ("embed_tokens", "pos_embed", "position_embedding", "ngram_embedding", "lm_head")  # ngram: Qwen4-Exp PLE tables
 
 
 def _on_merged(name: str) -> bool:
@@ -72,6 +77,23 @@ def _matmul_numel(named: Any, experts: int | None = None, active: int | None = N
     return total
 
 
+def _floor_sum(n: int, r: int) -> int:
+    """Σ_{m=1..n} ⌊m / r⌋."""
+    q, rem = divmod(n, r)
+    return r * q * (q - 1) // 2 + q * (rem + 1)
+
+
+def qsa_counts(n: int, compress_ratio: int, block_topk: int) -> tuple[int, int]:
+    """Per QSA layer, for one document of ``n`` tokens (`hf_packing.ops.sparse_attention`'s rule, closed form):
+    Σ over queries of the keys each attends (its ``min(k, v)`` selected blocks of ``r`` and its tail of ``m mod r``,
+    ``v = ⌊m / r⌋`` complete blocks visible to the query at ``m = offset + 1``), and Σ of ``v`` (blocks scored)."""
+    r, k = compress_ratio, block_topk
+    scored = _floor_sum(n, r)
+    selected = _floor_sum(min(n, k * r - 1), r) + k * max(0, n - k * r + 1)
+    tails = n * (n + 1) // 2 - r * scored
+    return r * selected + tails, scored
+
+
 @dataclass(frozen=True)
 class ModelFlops:
     """What the FLOP count needs from a model (see the module docstring for the formula).
@@ -85,6 +107,10 @@ class ModelFlops:
         full_blocks / window_blocks (`int`): tower blocks attending per frame / per window (Qwen2.5-VL).
         window (`int`): merged patches per window side (``window_size / patch_size / merge``), 0 without windows.
         vision_trainable (`bool`): any tower parameter trains (×3), else forward only (×1).
+        qsa_layers (`int`): Qwen4-Exp's QSA-indexed layers (among the L softmax layers); 0 elsewhere.
+        indexer_params (`float`): N_idx, their indexers' projection weights (in N, but forward only: no gradient).
+        indexer_dim (`int`): H_idx·D_idx, the indexer's query heads times head dim.
+        compress_ratio / block_topk (`int`): r tokens per block and the k blocks kept per query.
     """
 
     text_params: float
@@ -101,6 +127,11 @@ class ModelFlops:
     window_blocks: int = 0
     window: int = 0
     vision_trainable: bool = True
+    qsa_layers: int = 0
+    indexer_params: float = 0.0
+    indexer_dim: int = 0
+    compress_ratio: int = 1
+    block_topk: int = 0
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> ModelFlops:
@@ -111,16 +142,26 @@ class ModelFlops:
         experts, active = num_experts(text), getattr(text, "num_experts_per_tok", None)
         tower: Any = getattr(getattr(model, "model", model), "visual", None) or getattr(model, "visual", None)
         in_tower = {id(p) for p in tower.parameters()} if tower is not None else set()
-        decoder = ((n, p) for n, p in model.named_parameters() if id(p) not in in_tower)
+        decoder = [(n, p) for n, p in model.named_parameters() if id(p) not in in_tower]
         layer_types = list(getattr(text, "layer_types", None) or [])
         n_linear = layer_types.count("linear_attention")
         state = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim if n_linear else 0
+        qsa: dict[str, Any] = {}
+        if getattr(text, "indexer_compress_ratio", None):  # Qwen4-Exp: every softmax layer is QSA-indexed
+            qsa = dict(
+                qsa_layers=text.num_hidden_layers - n_linear,
+                indexer_params=_matmul_numel((n, p) for n, p in decoder if ".indexer." in f".{n}"),
+                indexer_dim=text.indexer_n_heads * text.indexer_head_dim,
+                compress_ratio=text.indexer_compress_ratio,
+                block_topk=text.indexer_budget // text.indexer_compress_ratio,
+            )
         counts = cls(
             text_params=_matmul_numel(decoder, experts, active) + text.hidden_size * text.vocab_size,
             attention_layers=text.num_hidden_layers - n_linear,
             attention_dim=heads * (getattr(text, "head_dim", None) or text.hidden_size // heads),
             linear_layers=n_linear,
             linear_state=state,
+            **qsa,
         )
         if tower is None:
             return counts
@@ -134,6 +175,7 @@ class ModelFlops:
             **{k: getattr(counts, k) for k in ("text_params", "attention_layers", "attention_dim")},
             linear_layers=n_linear,
             linear_state=state,
+            **qsa,
             vision_embed=embed,
             vision_blocks=_matmul_numel(tower.named_parameters()) - embed - mergers,
             vision_mergers=mergers,
@@ -150,6 +192,20 @@ class ModelFlops:
         over the documents."""
         attention = 6.0 * self.attention_layers * self.attention_dim * sum_sq_lens
         return 6.0 * self.text_params * tokens + attention + 18.0 * self.linear_layers * self.linear_state * tokens
+
+    def text_of(self, lengths: list[int]) -> float:
+        """`text` of documents of ``lengths``, with Qwen4-Exp's QSA layers exact (`qsa_counts`): each query attends
+        its ``K`` selected keys (``12·d·K``, not the causal square) and its indexer scores its visible blocks
+        (``2·H_idx·D_idx`` per block, forward only, as its projections: ``2·N_idx`` per token, not 6)."""
+        tokens = float(sum(lengths))
+        dense = self.text(tokens=tokens, sum_sq_lens=sum(float(n) ** 2 for n in lengths))
+        if not self.qsa_layers:
+            return dense
+        keys, scored = (sum(c) for c in zip(*(qsa_counts(n, self.compress_ratio, self.block_topk) for n in lengths)))
+        square = 6.0 * self.qsa_layers * self.attention_dim * sum(float(n) ** 2 for n in lengths)
+        sparse = 12.0 * self.qsa_layers * self.attention_dim * keys
+        indexer = 2.0 * self.qsa_layers * self.indexer_dim * scored - 4.0 * self.indexer_params * tokens
+        return dense - square + sparse + indexer
 
     def vision(self, *, patches: float, frame_sq: float, window_sq: float | None = None) -> float:
         """Training FLOPs of the tower: ``patches`` = Σ t·h·w, ``frame_sq`` = Σ t·(h·w)², ``window_sq`` = Σ n² over

@@ -135,17 +135,22 @@ def reference_causal_conv1d(
     return torch.cat([torch_fn(piece, weight, bias, activation=activation) for piece in pieces], dim=-1)
 
 
-def masked_causal_conv1d(x, weight, bias, activation: str | None, seqs: PackedSequences) -> torch.Tensor:
-    """`reference_causal_conv1d` on the whole row at once: tap ``j`` of the window (``W - 1 - j`` tokens back)
-    is dropped for the tokens fewer than ``W - 1 - j`` tokens into their sequence, which is what zero padding
-    before each sequence gives. One graph for any pack; shapes and dtypes as in the reference."""
+def masked_causal_conv1d(
+    x, weight, bias, activation: str | None, seqs: PackedSequences, *, dilation: int = 1
+) -> torch.Tensor:
+    """`reference_causal_conv1d` on the whole row at once: tap ``j`` of the window (``(W - 1 - j) · dilation``
+    tokens back) is dropped for the tokens fewer than that many tokens into their sequence, which is what zero
+    padding before each sequence gives. One graph for any pack; shapes and dtypes as in the reference.
+    ``dilation`` > 1: Qwen4-Exp's PLE conv (kernel 4, dilation ``ngram_size``), which no varlen kernel takes."""
     width, total = weight.shape[-1], x.shape[-1]
     _, offsets = token_sequences(seqs, total, x.device)
-    padded = torch.nn.functional.pad(x.to(weight.dtype), (width - 1, 0))
+    reach = (width - 1) * dilation
+    padded = torch.nn.functional.pad(x.to(weight.dtype), (reach, 0))
     out: Any = bias[None, :, None].expand(1, -1, total) if bias is not None else 0
     for tap in range(width):  # W is the layer's kernel size (4): a fixed, short loop
-        back = width - 1 - tap
-        out = out + weight[None, :, tap, None] * padded[..., tap : tap + total] * (offsets >= back)
+        back = (width - 1 - tap) * dilation
+        start = reach - back
+        out = out + weight[None, :, tap, None] * padded[..., start : start + total] * (offsets >= back)
     if activation is not None:
         if activation not in ("silu", "swish"):  # transformers' ACT2FN names for the one activation Qwen3.5 uses
             raise ValueError(f"causal conv1d activation {activation!r}: only 'silu' is supported")

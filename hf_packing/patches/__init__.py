@@ -5,13 +5,14 @@ backbone's ``XModel.forward`` (unpad once for callers with their own head, e.g. 
 ``accepts_loss_kwargs = True`` (so the Trainer passes ``num_items_in_batch`` and averages tokens across
 gradient-accumulation steps and ranks), and answers "flash" to the vision tower's backend check so its
 ``cu_seqlens`` reach the varlen kernels. Hybrid families (Qwen3.5) also get their linear-attention kernels
-replaced by boundary-aware ones (see `_linear`). Once for all families it wraps transformers' attention registry
+replaced by boundary-aware ones (see `_linear`), and Qwen4-Exp its Per-Layer Embeddings and QSA indexer (see
+`_qwen4_exp`). Once for all families it wraps transformers' attention registry
 (see `_attention`). Everything else, decoder layers, norms, MLPs, DeepStack, stays transformers' own code.
 
 Owns: the model side, transformers' classes as patched (`_forward`, `_backbone`, `_vision`, `_flatten`,
-`_attention`, `_linear`; the call record `_call`; the family table `_spec`), the loader guard (`prepared`) and the
-applied sequence-parallel state (`sequence_parallel`). May import: `hf_packing.ops`, `hf_packing.parallel`,
-`_compat` and transformers; never the packer, the preprocessing or the Trainer side.
+`_attention`, `_linear`, `_qwen4_exp`; the call record `_call`; the family table `_spec`), the loader guard
+(`prepared`) and the applied sequence-parallel state (`sequence_parallel`). May import: `hf_packing.ops`,
+`hf_packing.parallel`, `_compat` and transformers; never the packer, the preprocessing or the Trainer side.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ._backbone import make_backbone_forward
 from ._forward import RmpadOptions, check_attn_implementation, make_rmpad_forward
 from ._linear import linear_patches
 from ._patcher import Patch, PatchSet, RegistryPatch
+from ._qwen4_exp import qwen4_exp_patches
 from ._spec import FAMILIES, FamilySpec, frames_as_images
 from .prepared import training
 
@@ -51,8 +53,8 @@ _REGISTRY_GROUP = "attention-registry"
 
 
 def supported_model_types() -> list[str]:
-    """The ``config.model_type`` values `apply_rmpad` can patch."""
-    return list(FAMILIES)
+    """The ``config.model_type`` values `apply_rmpad` can patch with the installed transformers."""
+    return [name for name, spec in FAMILIES.items() if spec.available()]
 
 
 def _normalise(model_type: str | Iterable[str] | None) -> list[str]:
@@ -63,6 +65,13 @@ def _normalise(model_type: str | Iterable[str] | None) -> list[str]:
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         raise ValueError(f"unsupported model_type {unknown[0]!r}; hf_packing supports {supported_model_types()}")
+    missing = [n for n in names if not FAMILIES[n].available()]
+    if missing:
+        spec = FAMILIES[missing[0]]
+        raise ValueError(
+            f"model_type {spec.model_type!r} needs transformers>={spec.min_transformers} (this one has no "
+            f"{spec.module}); upgrade transformers"
+        )
     return names
 
 
@@ -105,6 +114,7 @@ def _family_patches(spec: FamilySpec, options: RmpadOptions) -> list[Patch]:
     model_cls, backbone_cls = getattr(module, spec.model_class), getattr(module, spec.backbone_class)
     linear = linear_patches(module, options.linear_backend) if spec.linear_attention else []
     towers = spec.load_attention()
+    extra = qwen4_exp_patches(module) if spec.ple_qsa else []
     return [
         Patch(model_cls, "forward", make_rmpad_forward(model_cls.__dict__["forward"], spec, options)),
         Patch(model_cls, "accepts_loss_kwargs", True),
@@ -112,6 +122,7 @@ def _family_patches(spec: FamilySpec, options: RmpadOptions) -> list[Patch]:
         # the tower's module (GLM-4.6V's tower is GLM-4.1V's): where its attention reads the flash check
         Patch(towers, "is_flash_attention_requested", make_vision_flash_check(towers.is_flash_attention_requested)),
         *linear,
+        *extra,
     ]
 
 

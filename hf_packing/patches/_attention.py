@@ -19,18 +19,67 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
-from ..ops.varlen import PackedSequences, effective_backend, varlen_attention
+from ..ops import sparse_attention
+from ..ops.varlen import PackedSequences, effective_backend, kernel_input_dtype, varlen_attention
 from ..parallel.comm import SP_KWARG, ulysses_attention
 
 logger = logging.getLogger(__name__)
 
 #: kwarg that carries the text stream's `PackedSequences` from the patched forward down to attention.
 PACKED_KWARG = "hf_packing_seqs"
+#: kwarg that carries a Qwen4-Exp QSA layer's `PackedQSA` from its patched attention module to the attention route
+QSA_KWARG = "hf_packing_qsa"
 #: registry keys the patch wraps; a model on another implementation (eager, flex) is refused at forward time.
 WRAPPED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+class PackedQSA(NamedTuple):
+    """What a Qwen4-Exp QSA layer selected on a pack (`hf_packing.ops.sparse_attention`): the attention route runs
+    `~hf_packing.ops.sparse_attention.qsa_attention` over these keys instead of causal varlen attention."""
+
+    selection: sparse_attention.QSASelection
+    blocks: sparse_attention.QSABlocks
+    compress_ratio: int
+
+
+def qsa_backend(attn_backend: str) -> str:
+    """The QSA attention backend for ``attn_backend``: the dense-mask ``reference`` when forced, else ``gather``
+    (memory and work grow with T times the selected keys per query, not T²)."""
+    return "reference" if attn_backend == "reference" else "gather"
+
+
+def qsa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    qsa: PackedQSA,
+    seqs: PackedSequences,
+    scale: float,
+    dropout: float,
+    backend: str,
+) -> torch.Tensor:
+    """`sparse_attention.qsa_attention` for the registry route: ``(1, H, T, D)`` q / k / v (transformers' layout)
+    cast to one dtype (the autocast dtype under autocast, as transformers' kernels get it; else the promoted one),
+    the output ``(1, T, H, D_v)`` as transformers' attention functions return it."""
+    q, k, v = _to_flat(query), _to_flat(key), _to_flat(value)
+    dtype = kernel_input_dtype(q, k, v) or torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    out = sparse_attention.qsa_attention(
+        q.to(dtype),
+        k.to(dtype),
+        v.to(dtype),
+        qsa.selection,
+        qsa.blocks,
+        seqs,
+        compress_ratio=qsa.compress_ratio,
+        scaling=scale,
+        backend=backend,
+        dropout=dropout,
+    )
+    return out.unsqueeze(0)
 
 
 def _to_flat(t: torch.Tensor) -> torch.Tensor:
@@ -140,7 +189,7 @@ def make_dispatcher(
         )
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        seqs, sp = kwargs.pop(PACKED_KWARG, None), kwargs.pop(SP_KWARG, None)
+        seqs, sp, qsa = kwargs.pop(PACKED_KWARG, None), kwargs.pop(SP_KWARG, None), kwargs.pop(QSA_KWARG, None)
         # isinstance, not type(): FSDP2's fully_shard swaps a wrapped module's class for a generated subclass.
         if kwargs.get("cu_seq_lens_q") is not None and isinstance(module, vision_classes):
             seqs, causal = vision_boundaries(kwargs["cu_seq_lens_q"], kwargs.get("max_length_q")), False
@@ -150,11 +199,15 @@ def make_dispatcher(
             raise missing_boundaries_error(module)
         else:
             return original(module, query, key, value, attention_mask, **kwargs)
-        if not torch.compiler.is_compiling():
-            log_backend_once("vision" if not causal else "text", query, key, value)
         scale = kwargs.get("scaling")
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         window, dropout = kwargs.get("sliding_window"), kwargs.get("dropout", 0.0) or 0.0
+        if qsa is not None and causal:
+            if sp is not None:
+                raise ValueError("QSA attention (Qwen4-Exp) does not run under sequence parallelism")
+            return qsa_attention(query, key, value, qsa, seqs, scale, dropout, qsa_backend(backend)), None
+        if not torch.compiler.is_compiling():
+            log_backend_once("vision" if not causal else "text", query, key, value)
 
         def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return varlen_attention(

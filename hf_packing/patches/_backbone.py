@@ -32,6 +32,7 @@ from ._forward import (
     backbone_kwargs,
     flatten_call,
     is_generation_call,
+    packed_attention_mask,
     repad_hidden_states,
     repad_router_logits,
     resolve_use_cache,
@@ -69,7 +70,13 @@ def make_backbone_forward(original: Callable, spec: FamilySpec, options: RmpadOp
             return original(self, **inputs)
 
         outputs, dummy = run_backbone(
-            self, flat, call, backbone_kwargs(call), options.dummy_vision, forward=unflattened
+            self,
+            flat,
+            call,
+            backbone_kwargs(call),
+            options.dummy_vision,
+            forward=unflattened,
+            attention_mask=packed_attention_mask(spec),
         )
         hidden = outputs.last_hidden_state[0]
         if dummy is not None:  # dummy_vision on a text-only batch: keep the tower in the graph, adding 0

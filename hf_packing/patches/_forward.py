@@ -43,6 +43,7 @@ from ..parallel.state import SequenceParallelState
 from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS, host_vision_seqlens, inside_packed_forward
 from ._call import PACKING_NAMES, PACKING_PARAMETERS, ForwardCall, ForwardSignature, parse_call
 from ._flatten import FlatBatch, flatten_batch
+from ._qwen4_exp import NO_MASKS
 from ._spec import FamilySpec
 from ._vision import (
     ITEM_TOKENS,
@@ -214,6 +215,23 @@ def flatten_call(backbone, spec: FamilySpec, call: ForwardCall) -> FlatBatch:
     return flat
 
 
+def packed_attention_mask(spec: FamilySpec) -> Any:
+    """The backbone's ``attention_mask`` on the packed path: ``None``; for Qwen4-Exp a mapping that gives every
+    layer type no mask, since its text model always builds dense ``(T, T)`` masks for the indexer (`_qwen4_exp`)."""
+    return NO_MASKS if spec.ple_qsa else None
+
+
+def check_sequence_parallel(spec: FamilySpec, sp_size: int) -> None:
+    """Refuse sequence parallelism for a family whose token mixers are not split over ranks (Qwen4-Exp)."""
+    if sp_size > 1 and spec.ple_qsa:
+        raise ValueError(
+            f"sequence_parallel_size={sp_size}: {spec.model_type} is not split over ranks: its QSA indexer selects "
+            "each query's key blocks over the whole sample and its PLE conv and n-gram history reach back across "
+            "the slice edges, which the Ulysses all-to-alls do not carry; use apply_rmpad(sequence_parallel_size=1) "
+            "and a max_length that fits one GPU"
+        )
+
+
 def backbone_kwargs(call: ForwardCall) -> dict[str, Any]:
     """The backbone's keywords besides the flat batch and the vision inputs: the call's ``rest`` and the rope
     keywords it gave (a new dict)."""
@@ -228,6 +246,7 @@ def run_backbone(
     dummy_vision: bool,
     sp: SPGroup | None = None,
     forward: Callable | None = None,
+    attention_mask: Any = None,
 ):
     """The backbone on the flat row of ``call`` (`flatten_call`) with ``call``'s vision inputs and ``model_kwargs``
     (`backbone_kwargs`), calling the vision tower once on every rank (see `_vision.tower_calls`).
@@ -238,6 +257,9 @@ def run_backbone(
     Under sequence parallelism (``sp``) the tower's units are split over the SP group (`_vision.tower_calls`) and a
     pre-hook on the text model keeps this rank's slice of the whole pack (embedded, vision features placed, M-RoPE
     positions computed): the hidden states that come back are that slice.
+
+    ``attention_mask`` is what the backbone gets for it: ``None`` (the boundaries travel in ``hf_packing_seqs``), or
+    `packed_attention_mask`'s mapping for a text model that would otherwise build dense masks.
 
     Returns the backbone outputs and the dummy term (``None`` unless ``dummy_vision`` ran the tower on a batch
     without pixels, or an SP rank got no vision unit).
@@ -280,7 +302,7 @@ def run_backbone(
         with known, towers as dummy, trusted, deepstack, inside_packed_forward():
             outputs = forward(
                 input_ids=flat.input_ids,
-                attention_mask=None,
+                attention_mask=attention_mask,
                 position_ids=flat.position_ids,
                 **vision,
                 mm_token_type_ids=flat.mm_token_type_ids,
@@ -378,6 +400,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
             router = model_kwargs.get("output_router_logits")
             default = "output_router_logits" in signature.named and self.config.text_config.output_router_logits
             model_kwargs = {**model_kwargs, "output_router_logits": bool(default) if router is None else router}
+        check_sequence_parallel(spec, options.sequence_parallel_size)
         sp = options.sequence_parallel.group()
         if sp is not None and spec.video_frames_as_images:
             raise ValueError(
@@ -387,7 +410,9 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
                 "sequence_parallel_size=1 (docs/sequence_parallel.md)"
             )
         # evaluation too: FSDP2 / ZeRO-3 all-gather the tower's parameters in every forward, with or without grad
-        outputs, dummy = run_backbone(self.model, flat, call, model_kwargs, options.dummy_vision, sp)
+        outputs, dummy = run_backbone(
+            self.model, flat, call, model_kwargs, options.dummy_vision, sp, attention_mask=packed_attention_mask(spec)
+        )
         skip_logits = call.skip_logits
         want_logits = not skip_logits if skip_logits is not None else not (call.supervised and self.training)
         ce, flat_logits = _loss_and_logits(self, outputs.last_hidden_state[0], flat, call, want_logits, options, sp)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -25,6 +26,9 @@ class FamilySpec:
             and a pack with images and videos enters the text model as one kind, in row order (`_vision`).
         attention_module: where ``text_attention`` / ``vision_attention`` live when not in ``module`` (GLM-4.6V
             builds GLM-4.1V's text and vision models).
+        ple_qsa: whether the text model has Qwen4-Exp's Per-Layer Embeddings and QSA-indexed attention, which get
+            the boundaries too and run without transformers' dense masks (see `_qwen4_exp`).
+        min_transformers: the first transformers release with the family (``None``: every supported one).
     """
 
     model_type: str
@@ -38,6 +42,15 @@ class FamilySpec:
     linear_attention: bool = False
     attention_module: str | None = None
     video_frames_as_images: bool = False
+    ple_qsa: bool = False
+    min_transformers: str | None = None
+
+    def available(self) -> bool:
+        """Whether the installed transformers has the family's modeling module."""
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except ModuleNotFoundError:  # the family's package itself is missing (find_spec imports the parents)
+            return False
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -109,6 +122,16 @@ FAMILIES: dict[str, FamilySpec] = {
             "Glm4vVisionAttention",
             attention_module="transformers.models.glm4v.modeling_glm4v",
             video_frames_as_images=True,
+        ),
+        _spec(
+            "qwen4_exp",
+            "Qwen4Exp",
+            "Qwen4ExpTextAttention",
+            "Qwen4ExpVisionAttention",
+            moe=True,
+            linear_attention=True,
+            ple_qsa=True,
+            min_transformers="5.23",
         ),
     )
 }

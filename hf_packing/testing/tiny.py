@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig, PreTrainedModel
 
-MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+MODEL_TYPES: tuple[str, ...] = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen4_exp",
+)
 #: the GLM-V families (GLM-4.1V, GLM-4.5V, GLM-4.6V): their own vocabulary, processor and template (see the GLM block)
 GLM_TYPES: tuple[str, ...] = ("glm4v", "glm4v_moe", "glm46v")
 
@@ -99,7 +107,18 @@ _PREFIX = {
     "qwen3_vl_moe": "Qwen3VLMoe",
     "qwen3_5": "Qwen3_5",
     "qwen3_5_moe": "Qwen3_5Moe",
+    "qwen4_exp": "Qwen4Exp",
 }
+
+
+def _qwen3_style(model_type: str) -> bool:
+    """Qwen3-VL's processor, patch 16 and M-RoPE layout: the qwen3 families and Qwen4-Exp."""
+    return model_type.startswith("qwen3") or model_type == "qwen4_exp"
+
+
+def _hybrid_style(model_type: str) -> bool:
+    """Qwen3.5's hybrid text stack and tokenizer (`Qwen3_5Tokenizer`): Qwen3.5, Qwen3.5-MoE and Qwen4-Exp."""
+    return model_type.startswith("qwen3_5") or model_type == "qwen4_exp"
 
 
 def _class(model_type: str, kind: str) -> Any:
@@ -112,9 +131,9 @@ def _class(model_type: str, kind: str) -> Any:
         raise ValueError(f"Unsupported model_type {model_type!r}; expected one of {MODEL_TYPES + GLM_TYPES}.")
     prefix = _PREFIX[model_type]
     if kind == "Processor":  # qwen3_vl_moe, qwen3_5 and qwen3_5_moe ship Qwen3VLProcessor
-        prefix = "Qwen3VL" if model_type.startswith("qwen3") else prefix
+        prefix = "Qwen3VL" if _qwen3_style(model_type) else prefix
     elif kind == "VideoProcessor":
-        prefix = "Qwen3VL" if model_type.startswith("qwen3") else "Qwen2VL"
+        prefix = "Qwen3VL" if _qwen3_style(model_type) else "Qwen2VL"
     return getattr(transformers, prefix + kind)
 
 
@@ -140,7 +159,7 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     if model_type in GLM_TYPES:
         return glm_tiny_config(model_type, **overrides)
     config_cls = _class(model_type, "Config")
-    qwen3 = model_type.startswith("qwen3")
+    qwen3 = _qwen3_style(model_type)
     eot, eos = TOKEN_IDS["<|endoftext|>"], TOKEN_IDS["<|im_end|>"]
     ids = {"bos_token_id": eot, "eos_token_id": eos, "pad_token_id": eot}
     text: dict[str, Any] = {
@@ -176,8 +195,10 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
             "num_position_embeddings": 256,
             "deepstack_visual_indexes": [0],
         }
-        if model_type.startswith("qwen3_5"):
+        if _hybrid_style(model_type):
             _hybrid(text, vision)
+        if model_type == "qwen4_exp":
+            _qwen4_exp(text)
         if model_type == "qwen3_vl_moe":
             text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
         elif model_type == "qwen3_5_moe":
@@ -241,11 +262,45 @@ def _hybrid(text: dict[str, Any], vision: dict[str, Any]) -> None:
     del vision["deepstack_visual_indexes"]
 
 
+def _qwen4_exp(text: dict[str, Any]) -> None:
+    """Qwen4-Exp: Qwen3.5-MoE's hybrid stack with every part that mixes tokens switched on, tiny. Layers: Gated
+    DeltaNet with PLE, QSA-indexed attention, Gated DeltaNet (real: 3 linear then 1 indexed). PLE: 2-grams and
+    3-grams, 2 hashed heads each (real 8), tables of ~1k rows per head (real 20M), conv kernel 4 dilated by 3 (real).
+    QSA: 8 indexer heads of dim 32 (real: more), blocks of 4 keys, budget 8 tokens (2 blocks): samples of a few
+    dozen tokens already have more complete blocks than the budget. A block scores ``Σ_heads relu(q·k)``, exactly 0
+    when every head's product is negative; with 2 heads a quarter of the blocks tie at 0 and transformers'
+    ``topk`` breaks ties its own way (hf_packing: lower block first), with 8 heads a tie at the top-k edge is
+    ~1/256 per block, none in the tests' samples. 2 hyper-connection streams (real 4), rank 8. MoE: 4
+    experts of width 32, top-2, a shared expert of width 32."""
+    text.update(
+        layer_types=["linear_attention", "indexed_attention", "linear_attention"],
+        num_hidden_layers=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        hc_count=2,
+        hc_lowrank=8,
+        ple_layer_ids=[1],
+        ple_embed_dim=32,
+        ple_conv_kernel_size=4,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=1009,
+        make_ngram_vocab_size_divisible_by=8,
+        indexer_n_heads=8,
+        indexer_kv_heads=1,
+        indexer_head_dim=32,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+    )
+
+
 def _tokenizer_module(model_type: str) -> Any:
     """The module of the family's real tokenizer class: Qwen3.5 has its own (pre-tokenizer regex, NFC)."""
     import importlib
 
-    name = "qwen3_5" if model_type.startswith("qwen3_5") else "qwen2"
+    name = "qwen3_5" if _hybrid_style(model_type) else "qwen2"
     return importlib.import_module(f"transformers.models.{name}.tokenization_{name}")
 
 
@@ -281,7 +336,7 @@ def _build_tokenizer(model_type: str) -> Any:
     from tokenizers import AddedToken
 
     module = _tokenizer_module(model_type)
-    tokenizer_cls = getattr(module, "Qwen3_5Tokenizer" if model_type.startswith("qwen3_5") else "Qwen2Tokenizer")
+    tokenizer_cls = getattr(module, "Qwen3_5Tokenizer" if _hybrid_style(model_type) else "Qwen2Tokenizer")
     vocab, merges = _train_tokenizer(model_type)
     tok = tokenizer_cls(
         vocab=vocab,
@@ -326,7 +381,7 @@ def build_tiny_processor(model_type: str, save_dir: str | Path) -> Path:
     processor_cls, video_cls = _class(model_type, "Processor"), _class(model_type, "VideoProcessor")
     from transformers import Qwen2VLImageProcessor
 
-    if model_type.startswith("qwen3"):
+    if _qwen3_style(model_type):
         norm = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
         patch, img_size = 16, {"shortest_edge": 64 * 64, "longest_edge": 512 * 512}
         vid_size = {"shortest_edge": 64 * 64, "longest_edge": 16 * 256 * 256}  # qwen3: summed over frames
@@ -353,7 +408,7 @@ def build_tiny_model(
     model_type: str, processor_dir: str | Path | None = None, seed: int = 0, **overrides: Any
 ) -> PreTrainedModel:
     """Instantiate a random-init fp32 `XForConditionalGeneration` from [`tiny_config`] (Qwen3.5: with its linear
-    layers' decay rates spread, see `_spread_decays`).
+    layers' decay rates spread, see `_spread_decays`; Qwen4-Exp: with its PLE conv drawn, see `_ple_conv_weights`).
 
     Args:
         model_type (`str`):
@@ -378,7 +433,22 @@ def build_tiny_model(
         torch.manual_seed(seed)
         model = _class(model_type, "ForConditionalGeneration")(config)
     _spread_decays(model)
+    _ple_conv_weights(model, seed)
     return model.to(torch.float32)
+
+
+def _ple_conv_weights(model: PreTrainedModel, seed: int) -> None:
+    """Draw Qwen4-Exp's PLE conv weights (transformers initialises them to zero, so the conv starts as a no-op):
+    with zeros, a conv window reaching into the previous sample would go unseen, and the conv would get no test."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if type(module).__name__ == "Qwen4ExpTextPLELayer":
+            conv: Any = module.conv1d
+            weight = conv.weight
+            with torch.no_grad():
+                weight.copy_(torch.randn(tuple(weight.shape), generator=generator) * 0.5)
 
 
 def _spread_decays(model: PreTrainedModel) -> None:

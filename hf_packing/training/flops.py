@@ -43,7 +43,7 @@ def document_lengths(batch: Mapping[str, Any]) -> list[int]:
 
 def text_flops(model: torch.nn.Module, lengths: list[int]) -> float:
     """Training FLOPs of the decoder layers and the LM head for documents of ``lengths``."""
-    return cost_model(model).text(tokens=float(sum(lengths)), sum_sq_lens=sum(float(n) ** 2 for n in lengths))
+    return cost_model(model).text_of(lengths)
 
 
 def vision_flops(model: torch.nn.Module, grids: list[list[int]]) -> float:
@@ -65,6 +65,6 @@ def training_flops(model: torch.nn.Module, batch: Mapping[str, Any]) -> dict[str
     counts = cost_model(model)
     lengths = document_lengths(batch)
     grids = [g for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None for g in _host(batch[key])]
-    text = counts.text(tokens=float(sum(lengths)), sum_sq_lens=sum(float(n) ** 2 for n in lengths))
+    text = counts.text_of(lengths)
     vision = counts.vision_of(grids)
     return {"text": text, "vision": vision, "total": text + vision}
