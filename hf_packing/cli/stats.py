@@ -154,12 +154,14 @@ def model_config(path: str) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
-def predict_peak(config: Any, cfg: PackingConfig, *, optimizer_bytes_per_param: float | None = None) -> dict[str, Any]:
+def predict_peak(
+    config: Any, cfg: PackingConfig, *, vision_trainable: bool = True, optimizer_bytes_per_param: float | None = None
+) -> dict[str, Any]:
     """Predicted bytes per GPU of one training step on the largest pack ``cfg``'s budgets allow (``max_length``
     tokens, all supervised; ``max_vision_patches`` patches, at most ``max_length`` merged tokens' worth), bf16
-    weights, gradients and AdamW moments (or ``optimizer_bytes_per_param``; `hf_packing.ops.memory`): the model built
-    on the meta device. Returns the counts and ``{"weights", "grads", "optimizer", "activations", "activations_ckpt"}``
-    in bytes."""
+    weights, gradients and AdamW moments (or ``optimizer_bytes_per_param``; `hf_packing.ops.memory`), all weights
+    trained on one GPU (``vision_trainable=False``: the tower frozen), the model built on the meta device.
+    Returns the counts and ``{"weights", "grads", "optimizer", "activations", "activations_ckpt"}`` in bytes."""
     import copy
 
     import torch
@@ -172,6 +174,8 @@ def predict_peak(config: Any, cfg: PackingConfig, *, optimizer_bytes_per_param: 
     model_class: Any = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
     with torch.device("meta"):
         model = model_class(config).to(torch.bfloat16)
+    if not vision_trainable:
+        model.model.visual.requires_grad_(False)
     memory = ActivationMemory.from_model(model)
     tokens = cfg.max_length
     patches = tokens * memory.merge**2
@@ -187,6 +191,16 @@ def predict_peak(config: Any, cfg: PackingConfig, *, optimizer_bytes_per_param: 
     }
 
 
+def checkpointing_needed(peak: dict[str, Any], gpu_memory_gib: float) -> bool | None:
+    """Whether the `predict_peak` step needs gradient checkpointing on a GPU of ``gpu_memory_gib``: ``False`` (fits
+    without), ``True`` (fits only with it) or ``None`` (fits in neither)."""
+    state = peak["weights"] + peak["grads"] + peak["optimizer"]
+    budget = gpu_memory_gib * 2.0**30
+    if state + peak["activations"] <= budget:
+        return False
+    return True if state + peak["activations_ckpt"] <= budget else None
+
+
 def format_peak(peak: dict[str, Any], gpu_memory_gib: float | None) -> str:
     """Lines of `predict_peak`: the state, the peak with checkpointing off and on, and the verdict for a GPU."""
     gib = 2.0**30
@@ -199,12 +213,11 @@ def format_peak(peak: dict[str, Any], gpu_memory_gib: float | None) -> str:
         f"(peak {off / gib:.2f} GiB), {peak['activations_ckpt'] / gib:.2f} GiB with it (peak {on / gib:.2f} GiB)"
     ]
     if gpu_memory_gib is not None:
-        if off <= gpu_memory_gib * gib:
-            verdict = "not needed: turn gradient checkpointing off"
-        elif on <= gpu_memory_gib * gib:
-            verdict = "needed: turn gradient checkpointing on"
-        else:
-            verdict = "does not fit even with it: lower max_length / max_vision_patches or shard (FSDP2, ZeRO, SP)"
+        verdict = {
+            False: "not needed: turn gradient checkpointing off",
+            True: "needed: turn gradient checkpointing on",
+            None: "does not fit even with it: lower max_length / max_vision_patches or shard (FSDP2, ZeRO, SP)",
+        }[checkpointing_needed(peak, gpu_memory_gib)]
         lines.append(f"gradient checkpointing on a {gpu_memory_gib:g} GiB GPU: {verdict}")
     return "\n".join(lines)
 
