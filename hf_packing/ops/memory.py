@@ -108,7 +108,7 @@ class ActivationMemory:
         merged (`float`): per merged vision token, in the decoder (the scattered embeddings, DeepStack's additions).
         merge (`int`): m, the spatial merge size (a merged token is m² patches).
         vision_trainable (`bool`): any tower parameter trains; a frozen tower runs without autograd and keeps
-            nothing.
+            nothing, its merged tokens only their index into the sequence.
     """
 
     token: float
@@ -164,8 +164,8 @@ class ActivationMemory:
         layer and tower block)."""
         supervised = tokens if supervised is None else supervised
         text = tokens * (self.token_checkpointed if checkpointing else self.token) + supervised * self.supervised
-        if not self.vision_trainable:
-            return text
+        if not self.vision_trainable:  # the tower ran without autograd: only the scatter's index into the tokens
+            return text + patches / self.merge**2 * INDEX
         tower = patches * (self.patch_checkpointed if checkpointing else self.patch)
         return text + tower + patches / self.merge**2 * self.merged
 
