@@ -287,6 +287,7 @@ def run(args) -> str:
                             dt = time.perf_counter() - t0
                     except Exception as exc:  # OOM, a kernel or option that fails: report, keep the others
                         res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                        loss = None  # the failed step's graph goes now, not at the next arm's step
                         for opt in levers.optimizers.values():
                             opt.zero_grad(set_to_none=True)
                         if cuda:
@@ -323,7 +324,13 @@ def run(args) -> str:
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
 
-                profiles.append(f"- {length}/{vision} {name}: {profile_step(step, cuda)}")
+                try:
+                    summary = profile_step(step, cuda)
+                except Exception as exc:  # e.g. OOM with the profiler's own buffers: the row stands
+                    summary = f"not profiled: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+                    for opt in levers.optimizers.values():
+                        opt.zero_grad(set_to_none=True)
+                profiles.append(f"- {length}/{vision} {name}: {summary}")
                 rows.append(
                     [
                         str(length),

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import hf_packing
+from hf_packing import _compat
 from hf_packing.patches import is_patched
 from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
 
@@ -96,6 +97,8 @@ def test_inner_kernels_applied_forward_kept(model_type, tmp_path):
         config = trainer.args.liger_kernel_config
         assert config["fused_linear_cross_entropy"] is False and config["cross_entropy"] is False
         assert trainer.args.use_liger_kernel is False  # Trainer.train() applies nothing over them
+        # a Liger fused-loss module that failed to import was stood in for during the call only
+        assert not isinstance(sys.modules.get(f"liger_kernel.transformers.model.{model_type}"), _compat._NoLossForward)
     finally:
         hf_packing.revert_rmpad(model_type)
 
