@@ -126,15 +126,20 @@ def test_frozen_tower(model_type, monkeypatch):
     batch = {k: v.to(torch.bfloat16) if k == "pixel_values" else v for k, v in batch.items()}
     hf_packing.apply_rmpad(model_type, attn_backend="flash_attn")
     try:
-        model.train()
-        measured = saved_bytes(model, batch)
+        for checkpointing in (False, True):
+            _checkpointing(model, checkpointing)
+            measured = saved_bytes(model, batch)
+            predicted = memory.saved_bytes(**_counts(batch), checkpointing=checkpointing)
+            print(
+                f"{model_type} frozen tower, ckpt={checkpointing}: measured {measured:,} B, predicted {predicted:,.0f}"
+            )
+            assert abs(predicted / measured - 1) <= RTOL
+            trained = dataclasses.replace(memory, vision_trainable=True)
+            # negative control: counting the tower misses by more than the bound
+            assert trained.saved_bytes(**_counts(batch), checkpointing=checkpointing) > measured * (1 + RTOL)
     finally:
         hf_packing.revert_rmpad(model_type)
-    predicted = memory.saved_bytes(**_counts(batch))
-    print(f"{model_type} frozen tower: measured {measured:,} B, predicted {predicted:,.0f} B")
-    assert abs(predicted / measured - 1) <= RTOL
-    trained = dataclasses.replace(memory, vision_trainable=True).saved_bytes(**_counts(batch))
-    assert trained > measured * (1 + RTOL)  # negative control: counting the tower misses by more than the bound
+        _checkpointing(model, False)
     state = training_state_bytes(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert state["grads"] == 2 * trainable and state["optimizer"] == 4 * trainable
