@@ -22,7 +22,8 @@ hold this model against steps run with stand-ins that keep exactly the kernels' 
 
 Not counted: the cos / sin of rotary held by a checkpointed layer's keyword arguments (2·head_dim per token, once),
 the transient peak of one layer's recompute in backward, the logits of one loss chunk, and allocator fragmentation.
-`peak_bytes` adds weights, gradients and AdamW state to the activations for ``hf-packing stats``.
+`training_state_bytes` counts what adds to them at the peak (weights, gradients, AdamW moments); ``hf-packing stats``
+and ``recipes/train.py --gpu_memory_gib`` add the two for the largest pack the budgets allow (docs/performance.md).
 """
 
 from __future__ import annotations
