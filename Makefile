@@ -32,7 +32,7 @@ bench: $(VENV)/.installed
 # GPU check in one command (benchmarks/gpu_check.sh). Here, with network: the wheels the GPU machine lacks (its
 # image has torch, transformers, accelerate, peft, pyarrow, pandas, ...; not datasets and what datasets needs), pinned
 # to the versions .venv is tested with, for CPython 3.12 on x86-64. There, without network: `make gpu` (no .venv).
-GPU_WHEELS := datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+GPU_WHEELS := datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5
 gpu-wheels:
 	rm -rf .whl
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

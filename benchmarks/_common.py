@@ -31,6 +31,7 @@ SECTION_ORDER = (
     "bench_step_cpu_frozen",
     "bench_syncs",
     "bench_gpu",
+    "bench_levers",
 )
 _HEADER = (
     "# Benchmark results\n\n"

@@ -125,6 +125,45 @@ def liger_fused_linear_cross_entropy():
     return liger_fused_linear_cross_entropy
 
 
+class _NoLossForward(ModuleType):
+    """Stands in for a Liger fused-loss module that fails to import: any name it is asked for is a function that
+    raises (the caller turned the fused loss off, so none is ever called)."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def unavailable(*args, **kwargs):
+            raise RuntimeError(f"{self.__name__}.{name} failed to import and was not to be used")
+
+        return unavailable
+
+
+def apply_liger_inner_kernels(model, config: dict) -> None:
+    """Liger-Kernel's kernels for ``model``'s family (``liger_kernel.transformers._apply_liger_kernel_to_instance``,
+    as transformers' ``use_liger_kernel`` applies them) with ``config``, whose fused-loss options the caller turned
+    off. Liger (0.8.5) imports its family's fused-loss forward even when that option is off, and on transformers 5.23
+    those modules fail to import (output classes that transformers no longer has); such a module is, for this call
+    only, a `_NoLossForward`. Raises `ImportError` naming the extra when liger-kernel is not installed."""
+    import sys
+
+    require_extra("liger", "liger_kernel", purpose="TrainingArguments(use_liger_kernel=True)")
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    name = f"liger_kernel.transformers.model.{model.config.model_type}"
+    placeholder = None
+    try:
+        importlib.import_module(name)
+    except ImportError as error:
+        logger.info("hf_packing: %s does not import (%s); its fused loss is off, so it is not needed", name, error)
+        placeholder = sys.modules[name] = _NoLossForward(name)
+    try:
+        _apply_liger_kernel_to_instance(model=model, **config)
+    finally:
+        if placeholder is not None and sys.modules.get(name) is placeholder:
+            del sys.modules[name]
+
+
 @cache
 def fla_linear_ops() -> SimpleNamespace | None:
     """flash-linear-attention's varlen kernels, or ``None`` when the package (or its Triton build) is missing.

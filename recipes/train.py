@@ -57,6 +57,13 @@ class ModelArguments:
     )
     use_liger: bool | None = field(default=None, metadata={"help": "force Liger fused linear CE on/off"})
     freeze_vision_tower: bool = field(default=False, metadata={"help": "requires_grad=False on model.model.visual"})
+    gpu_memory_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "GPU memory: gradient checkpointing turns on when the largest pack needs it (the memory model of "
+            "`hf-packing stats`); unset: gradient_checkpointing as set"
+        },
+    )
     use_lora: bool = field(default=False, metadata={"help": "train LoRA adapters (PEFT) instead of all weights"})
     lora_r: int = 64
     lora_alpha: int = 128
@@ -438,6 +445,31 @@ def load_model(model_args: ModelArguments):
     return model
 
 
+def choose_checkpointing(model_args: ModelArguments, packing: PackingConfig, args: TrainingArguments) -> None:
+    """With ``gpu_memory_gib``: turn gradient checkpointing on when the predicted peak of the largest pack needs it
+    (`hf_packing.cli.stats.predict_peak`: bf16, AdamW, one GPU); a setting already on stays on; a pack that fits in
+    neither mode is a `SettingError`."""
+    from transformers import AutoConfig
+
+    from hf_packing.cli.stats import checkpointing_needed, format_peak, predict_peak
+
+    if model_args.gpu_memory_gib is None:
+        return
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+    peak = predict_peak(config, packing, vision_trainable=not model_args.freeze_vision_tower)
+    needed = checkpointing_needed(peak, model_args.gpu_memory_gib)
+    logger.info(format_peak(peak, model_args.gpu_memory_gib))
+    if needed is None:
+        raise SettingError(
+            f"the largest pack (max_length={packing.max_length}, max_vision_patches={packing.max_vision_patches}) "
+            f"does not fit gpu_memory_gib={model_args.gpu_memory_gib:g} even with gradient checkpointing: lower them"
+        )
+    if needed and not args.gradient_checkpointing:
+        args.gradient_checkpointing = True
+        if hasattr(args, "activation_checkpointing"):  # transformers 5.23's name, which the Trainer reads
+            args.activation_checkpointing = True
+
+
 def main(argv: list[str] | None = None) -> Trainer:
     from transformers import AutoConfig, AutoProcessor
 
@@ -455,6 +487,7 @@ def main(argv: list[str] | None = None) -> Trainer:
             "set dataset_name (a Hub id or local dataset directory) or dataset_path (local files / saved datasets dirs)"
         )
     check_data_paths(data_args)  # a mistyped path fails here, before anything loads
+    choose_checkpointing(model_args, packing, training_args)
     names = data_args.dataset_path or [data_args.dataset_name]
     weights = packing.weights
     if isinstance(weights, (list, dict)) and len(weights) != len(names):

@@ -126,8 +126,9 @@ def varlen_attn(
     return _compute(query, key, value, cu_seq_q, max_q, causal, scale, window_size)
 
 
-def install_kernel(monkeypatch, name: str) -> list[bool]:
-    """Use the strict stand-in for backend ``name`` on CPU; returns the ``causal`` flag of every call it gets."""
+def install_kernel(monkeypatch, name: str, *, memory: bool = False) -> list[bool]:
+    """Use the strict stand-in for backend ``name`` on CPU; returns the ``causal`` flag of every call it gets.
+    ``memory``: it keeps for backward exactly what the kernel keeps (`_Kept`)."""
     calls: list[bool] = []
 
     def recording(fn):
@@ -140,10 +141,10 @@ def install_kernel(monkeypatch, name: str) -> list[bool]:
 
     if name == "flash_attn":
         module = ModuleType("flash_attn")
-        module.flash_attn_varlen_func = recording(flash_attn_varlen_func)
+        module.flash_attn_varlen_func = recording(_flash_kept if memory else flash_attn_varlen_func)
         monkeypatch.setattr(_compat, "flash_attn_varlen_module", lambda: module)
     elif name == "torch_varlen":
-        monkeypatch.setattr(_compat, "torch_varlen_attn", lambda: recording(varlen_attn))
+        monkeypatch.setattr(_compat, "torch_varlen_attn", lambda: recording(_varlen_kept if memory else varlen_attn))
         monkeypatch.setattr(
             _compat,
             "torch_varlen_params",
@@ -267,8 +268,9 @@ def fla_causal_conv1d(
     return torch.cat(outs, dim=1).to(x.dtype), None
 
 
-def install_linear_kernels(monkeypatch) -> dict[str, list[torch.dtype]]:
-    """Use the FLA stand-ins on CPU; returns, per op, the dtype of every call's first input."""
+def install_linear_kernels(monkeypatch, *, memory: bool = False) -> dict[str, list[torch.dtype]]:
+    """Use the FLA stand-ins on CPU; returns, per op, the dtype of every call's first input. ``memory``: they keep
+    for backward exactly what FLA keeps (`_Kept`)."""
     from types import SimpleNamespace
 
     from hf_packing.ops import linear_attention
@@ -287,8 +289,8 @@ def install_linear_kernels(monkeypatch) -> dict[str, list[torch.dtype]]:
         **{
             name: recording(name, fn)
             for name, fn in (
-                ("chunk_gated_delta_rule", fla_chunk_gated_delta_rule),
-                ("causal_conv1d", fla_causal_conv1d),
+                ("chunk_gated_delta_rule", _fla_chunk_kept if memory else fla_chunk_gated_delta_rule),
+                ("causal_conv1d", _fla_conv_kept if memory else fla_causal_conv1d),
             )
         }
     )
@@ -298,3 +300,77 @@ def install_linear_kernels(monkeypatch) -> dict[str, list[torch.dtype]]:
         linear_attention, "linear_backend_available", lambda backend, device: backend == "fla" or real(backend, device)
     )
     return calls
+
+
+# ------------------------------------------------------------------ what the kernels keep for backward
+#
+# FA2's and torch's varlen attention keep q, k, v, the output and the log-sum-exp (fp32, one per query head and
+# token); FLA's ``chunk_gated_delta_rule`` (its autograd Function, fla >= 0.4) keeps q and k (l2-normalised copies
+# when ``use_qk_l2norm_in_kernel``, with their fp32 reciprocal norms, one per key head and token), v, beta, its
+# chunk-local cumulative decay g (fp32) and the chunk's solved triangular matrix A (one 64-row per value head and
+# token, in k's dtype); ``causal_conv1d`` keeps x. The references autograd through keep far more (per-sequence copies,
+# chunk temporaries), so `install_kernel(..., memory=True)` / `install_linear_kernels(..., memory=True)` run the
+# stand-ins under `_Kept`, which saves exactly those tensors and recomputes the reference in backward: a step then
+# saves what it saves on the GPU (`hf_packing.ops.memory` states the same contract).
+
+
+class _Kept(torch.autograd.Function):
+    """``fn(*inputs)`` computed without autograd, keeping ``inputs`` and the output plus ``extra`` empty tensors
+    (``(shape, dtype)`` each: what the kernel adds, e.g. its log-sum-exp) for backward, which recomputes ``fn``."""
+
+    @staticmethod
+    def forward(ctx, fn, extra, keep_out, *inputs):
+        with torch.no_grad():
+            out = fn(*inputs)
+        ctx.fn, ctx.n = fn, len(inputs)
+        made = [torch.empty(shape, dtype=dtype) for shape, dtype in extra]
+        ctx.save_for_backward(*inputs, *([out] if keep_out else []), *made)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = ctx.saved_tensors[: ctx.n]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+            out = ctx.fn(*leaves)
+            wanted = [i for i, t in enumerate(leaves) if t.requires_grad]
+            grads = torch.autograd.grad(out, [leaves[i] for i in wanted], grad, allow_unused=True)
+        full: list = [None] * ctx.n
+        for i, g in zip(wanted, grads):
+            full[i] = g
+        return (None, None, None, *full)
+
+
+def kept(fn, *inputs, extra=(), keep_out: bool = True):
+    """`_Kept` of ``fn`` on ``inputs`` (tensors only; everything else bound in ``fn``); ``keep_out``: the kernel
+    keeps its output too."""
+    return _Kept.apply(fn, tuple(extra), keep_out, *inputs)
+
+
+def _flash_kept(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
+    check_contract(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    lse = ((q.shape[1], q.shape[0]), torch.float32)
+    return kept(lambda q, k, v: flash_attn_varlen_func(q, k, v, *args, **kwargs), q, k, v, extra=[lse])
+
+
+def _varlen_kept(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs):
+    check_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+    args = (cu_seq_q, cu_seq_k, max_q, max_k)
+    lse = ((query.shape[1], query.shape[0]), torch.float32)
+    return kept(lambda q, k, v: varlen_attn(q, k, v, *args, **kwargs), query, key, value, extra=[lse])
+
+
+def _fla_chunk_kept(q, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=False, **kwargs):
+    def fn(q, k, v, g, beta):
+        return fla_chunk_gated_delta_rule(
+            q, k, v, g, beta, scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs
+        )[0]
+
+    norms = [(q.shape[:3], torch.float32)] * 2 if use_qk_l2norm_in_kernel else []
+    extra = [*norms, ((*v.shape[:3], 64), k.dtype)]  # the rstd of q and k, and A: one 64-row per value head
+    return kept(fn, q, k, v, g, beta, extra=extra, keep_out=False), None
+
+
+def _fla_conv_kept(x, weight=None, bias=None, **kwargs):
+    return kept(lambda x: fla_causal_conv1d(x, weight, bias, **kwargs)[0], x, keep_out=False), None

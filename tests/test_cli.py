@@ -11,11 +11,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hf_packing._compat import require_extra
 from hf_packing.cli import main
 from hf_packing.cli.demo import DemoConfig, run_demo
-from hf_packing.cli.stats import run_stats
+from hf_packing.cli.stats import predict_peak, run_stats
+from hf_packing.config import PackingConfig
+from hf_packing.ops.memory import ActivationMemory
+from hf_packing.testing.tiny import build_tiny_model, save_tiny_checkpoint
 from tests.helpers import FIXTURES, ROOT
 
 
@@ -175,3 +179,30 @@ def test_demo_draws_per_source_curves(tmp_path):
     assert {"images", "text"} <= set(source_names(history))
     assert any("eval_images_loss" in h for h in history)
     assert set(summary["per-source loss (last log)"]) == {"images", "text"}
+
+
+def test_stats_predicts_the_peak_and_whether_checkpointing_is_needed(tmp_path, capsys):
+    """With a checkpoint's config, `hf-packing stats` prints the predicted peak of the largest pack (max_length
+    tokens, max_vision_patches patches) and the checkpointing verdict for a GPU of the given memory; the state is a
+    loaded model's own count and the activations `ActivationMemory`'s (held against autograd in test_memory.py)."""
+    path = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "ckpt")
+    args = [_jsonl(tmp_path / "a.jsonl", 4), "--processor", str(FIXTURES / "qwen2_5_vl"), "--model", str(path)]
+    settings = ["--max-length", "4096", "--max_vision_patches", "1024", "--output", str(tmp_path / "h.png")]
+    peak = predict_peak(build_tiny_model("qwen2_5_vl").config, PackingConfig(max_length=4096, max_vision_patches=1024))
+    model = build_tiny_model("qwen2_5_vl").to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    assert (peak["weights"], peak["grads"], peak["optimizer"]) == (2 * params, 2 * params, 4 * params)
+    memory = ActivationMemory.from_model(model)
+    assert peak["activations"] == memory.saved_bytes(tokens=4096, patches=1024)
+    assert peak["activations_ckpt"] == memory.saved_bytes(tokens=4096, patches=1024, checkpointing=True)
+    state = peak["weights"] + peak["grads"] + peak["optimizer"]
+    verdicts = {
+        (state + peak["activations"]) / 2**30 * 1.01: "not needed",
+        (state + peak["activations_ckpt"]) / 2**30 * 1.01: "needed: turn gradient checkpointing on",
+        state / 2**30: "does not fit",
+    }
+    for gib, verdict in verdicts.items():
+        assert main(["stats", *args, *settings, "--gpu_memory_gib", str(gib)]) == 0
+        out = capsys.readouterr().out
+        assert "predicted peak per GPU, largest pack (4,096 tokens, 1,024 vision patches" in out
+        assert f"gradient checkpointing on a {gib:g} GiB GPU: {verdict}" in out

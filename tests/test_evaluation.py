@@ -382,16 +382,24 @@ def test_moe_eval_loss_is_the_cross_entropy_without_the_router_aux_loss(tmp_path
     assert _rel(ours, expected) < REL < _rel(plain, expected)
 
 
-def test_prepare_trainer_refuses_liger_kernel_on_a_patched_model(tmp_path):
-    """Trainer.train() would replace the patched forward with Liger's; prepare_trainer says which setting to change."""
+def test_prepare_trainer_refuses_liger_loss_on_a_patched_model(tmp_path):
+    """Liger's fused-loss forward would replace the patched forward; prepare_trainer says which setting to change (its
+    inner kernels are accepted: tests/test_liger.py)."""
     from transformers import Trainer, TrainingArguments
 
     from hf_packing.testing.tiny import build_tiny_model
 
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, use_liger_kernel=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=1,
+        use_liger_kernel=True,
+        liger_kernel_config={"fused_linear_cross_entropy": True},
+    )
     prepare_trainer(Trainer(model=build_tiny_model("qwen2_vl"), args=args, train_dataset=[]))  # unpatched: fine
     hf_packing.apply_rmpad("qwen2_vl")
-    with pytest.raises(ValueError, match="use_liger_kernel=False"):
+    with pytest.raises(ValueError, match="drop fused_linear_cross_entropy from liger_kernel_config"):
         prepare_trainer(Trainer(model=build_tiny_model("qwen2_vl"), args=args, train_dataset=[]))
 
 

@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STAGES = ("env", "tests", "bench")
+STAGES = ("env", "tests", "bench", "levers")
 
 
 def run_check(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -64,10 +64,18 @@ def test_a_failing_stage_does_not_stop_the_next_and_the_summary_is_printed_last(
 def test_dry_run_writes_logs_junit_and_the_bench_table(tmp_path):
     proc, out = run_check(tmp_path, GPU_CHECK_TESTS="tests/test_gpu.py")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {p.name for p in out.iterdir()} == {"env.txt", "pytest.log", "junit.xml", "bench.log", "summary.txt"}
+    assert {p.name for p in out.iterdir()} == {
+        "env.txt",
+        "pytest.log",
+        "junit.xml",
+        "bench.log",
+        "levers.log",
+        "summary.txt",
+    }
     summary = (out / "summary.txt").read_text()
     assert re.search(r"^tests: 0 passed, 0 failed, 0 errors, \d+ skipped$", summary, re.M), summary
     assert "| 256 | frozen | rmpad+reference |" in summary and "host syncs per step" in summary
+    assert "| 256 | trainable | no-ckpt+compile |" in summary  # the levers' table
     for stage in STAGES:
         assert re.search(rf"^{stage} +ok ", summary, re.M), summary
     assert "transformers supported:" in (out / "env.txt").read_text()

@@ -98,6 +98,35 @@ def test_prepare_training_args_forces_pack_settings(train, caplog):
         train.prepare_training_args(TrainingArguments(output_dir="unused", use_cpu=True, report_to=[]))
 
 
+def test_gpu_memory_gib_turns_checkpointing_on_only_when_the_largest_pack_needs_it(train, tmp_path):
+    """``gpu_memory_gib`` between the predicted peaks without and with checkpointing turns it on; above both it stays
+    as set (off, or on when the user set it); below both the run stops naming the settings. The peaks are
+    `predict_peak`'s (held against autograd's saved tensors in tests/test_memory.py)."""
+    from transformers import AutoConfig, TrainingArguments
+
+    from hf_packing.cli.stats import predict_peak
+    from hf_packing.config import PackingConfig
+    from hf_packing.testing.tiny import save_tiny_checkpoint
+
+    path = str(save_tiny_checkpoint("qwen2_5_vl", tmp_path / "ckpt"))
+    packing = PackingConfig(max_length=4096, max_vision_patches=2048)
+    peak = predict_peak(AutoConfig.from_pretrained(path), packing)
+    state = peak["weights"] + peak["grads"] + peak["optimizer"]
+    off, on = ((state + peak[k]) / 2**30 for k in ("activations", "activations_ckpt"))
+
+    def chosen(gib: float, **set_by_user) -> bool:
+        args = TrainingArguments(output_dir="unused", use_cpu=True, max_steps=1, report_to=[], **set_by_user)
+        model_args = train.ModelArguments(model_name_or_path=path, gpu_memory_gib=gib)
+        train.choose_checkpointing(model_args, packing, args)
+        return bool(args.gradient_checkpointing) and bool(getattr(args, "activation_checkpointing", True))
+
+    assert chosen((off + on) / 2)
+    assert not chosen(off * 1.01)
+    assert chosen(off * 1.01, gradient_checkpointing=True)
+    with pytest.raises(train.SettingError, match="max_length=4096, max_vision_patches=2048"):
+        chosen(on * 0.99)
+
+
 def test_per_source_data_settings_take_one_value_or_one_per_path(train):
     """PackingConfig's per-source settings from the YAML (image_root: media_root's alias) and flags (JSON lists);
     pack_dataset maps a list onto the sources in dataset_path order; eval files keep only what is one for all."""

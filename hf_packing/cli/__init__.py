@@ -53,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     stats.add_argument("--processor", required=True, help="local processor dir")
     stats.add_argument("--output", type=Path, default=Path("pack_stats.png"), help="histogram PNG")
+    stats.add_argument(
+        "--model", help="local checkpoint or config dir for the memory prediction (default: --processor's, if any)"
+    )
+    stats.add_argument(
+        "--gpu_memory_gib", type=float, help="GPU memory: say whether the largest pack needs gradient checkpointing"
+    )
 
     plot = sub.add_parser("plot", help="loss / token accuracy curves, overall and per source, training and eval")
     plot.add_argument("output_dir", type=Path, help="the Trainer's output_dir (or a trainer_state.json)")

@@ -9,6 +9,10 @@ configured strategy, then with each other one for comparison, and says which bud
 `recipes/train.py`'s `dataset_path` (files, globs, directories, saved datasets; each its own source, every row
 counted); skip reasons are `pack_dataset`'s names. Videos and their `<|video_pad|>` tokens are reported on their own
 line.
+
+With a model config (``--model``, or the processor's directory when it holds one) it prints the predicted peak
+memory per GPU for the largest pack the budgets allow (`predict_peak`) and, given ``--gpu_memory_gib``, whether
+gradient checkpointing is needed.
 """
 
 from __future__ import annotations
@@ -136,7 +140,86 @@ def run_stats(args: argparse.Namespace, config: PackingConfig | None = None) -> 
     print(f"videos: {videos['videos']} in usable rows, {videos['video_tokens']:,} video tokens ({share:.1%} of tokens)")
     plot_stats(fills, lengths, args.output, cfg.max_length)
     print(f"histogram: {args.output}")
+    model_dir = getattr(args, "model", None) or args.processor
+    if (Path(model_dir) / "config.json").is_file():
+        gib = getattr(args, "gpu_memory_gib", None)
+        print(format_peak(predict_peak(model_config(model_dir), cfg), gib))
     return results
+
+
+def model_config(path: str) -> Any:
+    """The transformers config saved at ``path``."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def predict_peak(
+    config: Any, cfg: PackingConfig, *, vision_trainable: bool = True, optimizer_bytes_per_param: float | None = None
+) -> dict[str, Any]:
+    """Predicted bytes per GPU of one training step on the largest pack ``cfg``'s budgets allow (``max_length``
+    tokens, all supervised; ``max_vision_patches`` patches, at most ``max_length`` merged tokens' worth), bf16
+    weights, gradients and AdamW moments (or ``optimizer_bytes_per_param``; `hf_packing.ops.memory`), all weights
+    trained on one GPU (``vision_trainable=False``: the tower frozen), the model built on the meta device.
+    Returns the counts and ``{"weights", "grads", "optimizer", "activations", "activations_ckpt"}`` in bytes."""
+    import copy
+
+    import torch
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    from ..ops.memory import ActivationMemory, training_state_bytes
+
+    config = copy.deepcopy(config)
+    config._attn_implementation = "eager"  # the shapes only
+    model_class: Any = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+    with torch.device("meta"):
+        model = model_class(config).to(torch.bfloat16)
+    if not vision_trainable:
+        model.model.visual.requires_grad_(False)
+    memory = ActivationMemory.from_model(model)
+    tokens = cfg.max_length
+    patches = tokens * memory.merge**2
+    if cfg.max_vision_patches is not None:
+        patches = min(patches, cfg.max_vision_patches)
+    state = training_state_bytes(model, optimizer_bytes_per_param=optimizer_bytes_per_param)
+    return {
+        "tokens": tokens,
+        "patches": patches,
+        **state,
+        "activations": memory.saved_bytes(tokens=tokens, patches=patches),
+        "activations_ckpt": memory.saved_bytes(tokens=tokens, patches=patches, checkpointing=True),
+    }
+
+
+def checkpointing_needed(peak: dict[str, Any], gpu_memory_gib: float) -> bool | None:
+    """Whether the `predict_peak` step needs gradient checkpointing on a GPU of ``gpu_memory_gib``: ``False`` (fits
+    without), ``True`` (fits only with it) or ``None`` (fits in neither)."""
+    state = peak["weights"] + peak["grads"] + peak["optimizer"]
+    budget = gpu_memory_gib * 2.0**30
+    if state + peak["activations"] <= budget:
+        return False
+    return True if state + peak["activations_ckpt"] <= budget else None
+
+
+def format_peak(peak: dict[str, Any], gpu_memory_gib: float | None) -> str:
+    """Lines of `predict_peak`: the state, the peak with checkpointing off and on, and the verdict for a GPU."""
+    gib = 2.0**30
+    state = peak["weights"] + peak["grads"] + peak["optimizer"]
+    off, on = state + peak["activations"], state + peak["activations_ckpt"]
+    lines = [
+        f"predicted peak per GPU, largest pack ({peak['tokens']:,} tokens, {peak['patches']:,} vision patches; bf16, "
+        f"AdamW): weights {peak['weights'] / gib:.2f} + grads {peak['grads'] / gib:.2f} + optimizer "
+        f"{peak['optimizer'] / gib:.2f} GiB; activations {peak['activations'] / gib:.2f} GiB without checkpointing "
+        f"(peak {off / gib:.2f} GiB), {peak['activations_ckpt'] / gib:.2f} GiB with it (peak {on / gib:.2f} GiB)"
+    ]
+    if gpu_memory_gib is not None:
+        verdict = {
+            False: "not needed: turn gradient checkpointing off",
+            True: "needed: turn gradient checkpointing on",
+            None: "does not fit even with it: lower max_length / max_vision_patches or shard (FSDP2, ZeRO, SP)",
+        }[checkpointing_needed(peak, gpu_memory_gib)]
+        lines.append(f"gradient checkpointing on a {gpu_memory_gib:g} GiB GPU: {verdict}")
+    return "\n".join(lines)
 
 
 def _drop_reason(i: int, lengths, images, patches, cfg: PackingConfig) -> str:

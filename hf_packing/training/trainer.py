@@ -24,8 +24,11 @@ model's own conversion), and copies it in strictly.
 Evaluation is token-level like training (`hf_packing.training.evaluation.token_level_evaluation`): ``eval_loss`` = Σ
 token CE / Σ supervised tokens over the whole eval set, whatever the packing, batch size or number of processes.
 
-`TrainingArguments(use_liger_kernel=True)` makes ``Trainer.train()`` replace the model's forward with Liger's, which
-would undo `apply_rmpad` and hand the collator's ``cu_seqlens`` to the vision tower: `prepare_trainer` refuses it.
+`TrainingArguments(use_liger_kernel=True)` makes ``Trainer.train()`` apply Liger's kernels, by default with its
+fused-loss forward, which would undo `apply_rmpad` and hand the collator's ``cu_seqlens`` to the vision tower (the
+patched forward already calls Liger's fused linear cross-entropy): `refuse_liger_kernel` keeps Liger's inner-module
+kernels only (rope, RMSNorm / LayerNorm, SwiGLU, MoE experts: per-token ops, indifferent to packing) and refuses a
+``liger_kernel_config`` that asks for the fused-loss forward or Liger's cross-entropy.
 
 An eval set packed with the training default ``leftovers="drop"`` would lose its last packs (fewer than one per rank)
 under several processes, and its ``eval_loss`` would miss their tokens (measured: docs/evaluation.md):
@@ -192,17 +195,36 @@ def no_dispatch(trainer: Any) -> Any:
     return trainer
 
 
+#: Liger's options that replace the model's forward or its loss; the patched forward computes the loss itself
+LIGER_LOSS_OPTIONS = ("fused_linear_cross_entropy", "cross_entropy")
+
+
 def refuse_liger_kernel(trainer: Any) -> Any:
-    """Raise if ``use_liger_kernel`` would replace the forward `apply_rmpad` patched. Returns ``trainer``."""
+    """On a patched model, ``use_liger_kernel=True`` gets Liger's inner kernels only: ``liger_kernel_config`` with
+    `LIGER_LOSS_OPTIONS` off, applied now (`hf_packing._compat.apply_liger_inner_kernels`; the forward stays ours),
+    and ``use_liger_kernel`` set to False so that ``Trainer.train()`` does not apply Liger's defaults over them. A
+    config asking for either loss option is refused. Returns ``trainer``."""
     from ..patches import is_patched
 
-    if getattr(trainer.args, "use_liger_kernel", False) and is_patched(trainer.model):
+    args = trainer.args
+    if not getattr(args, "use_liger_kernel", False) or not is_patched(trainer.model):
+        return trainer
+    config = dict(getattr(args, "liger_kernel_config", None) or {})
+    asked = [option for option in LIGER_LOSS_OPTIONS if config.get(option)]
+    if asked:
         raise ValueError(
-            "TrainingArguments(use_liger_kernel=True) replaces the model's forward with Liger's, undoing "
-            "hf_packing.apply_rmpad (packed batches would reach the unpatched vision tower and attention); set "
-            "use_liger_kernel=False: apply_rmpad already computes the loss with Liger's fused linear cross-entropy "
-            "when liger-kernel is installed on CUDA (apply_rmpad(use_liger=True) forces it)"
+            f"liger_kernel_config={config} asks for {' and '.join(asked)}, which replaces the model's forward with "
+            "Liger's, undoing hf_packing.apply_rmpad (packed batches would reach the unpatched vision tower and "
+            f"attention); drop {', '.join(asked)} from liger_kernel_config: apply_rmpad already computes the loss "
+            "with Liger's fused linear cross-entropy when liger-kernel is installed on CUDA (apply_rmpad(use_liger="
+            "True) forces it), and use_liger_kernel=True keeps Liger's rope / RMSNorm / SwiGLU kernels"
         )
+    from .._compat import apply_liger_inner_kernels
+
+    args.liger_kernel_config = {**config, **dict.fromkeys(LIGER_LOSS_OPTIONS, False)}
+    apply_liger_inner_kernels(unwrap_model(trainer.model), args.liger_kernel_config)  # under DDP / compile / PEFT
+    args.use_liger_kernel = False  # applied: Trainer.train() would apply Liger's defaults (its fused-loss forward)
+    logger.info("Liger's inner kernels applied under apply_rmpad (%s)", args.liger_kernel_config)
     return trainer
 
 

@@ -1,0 +1,215 @@
+"""The activation-memory model: the bytes autograd keeps for backward in one training step, from a pack's counts.
+
+`ActivationMemory.from_model` reads what the count needs from a model's module tree (built on the meta device is
+enough: shapes, which norms, which MLPs) and `saved_bytes` turns a pack's counts (T real tokens, S supervised tokens,
+P vision patches) into bytes, for bf16 weights (the GPU benchmark's precision), gradient checkpointing off or on::
+
+    off   T·(embed ids + rotary + L·layer + final norm)  +  S·loss  +  P·(patch embed + blocks + mergers)
+          + P/m²·merged tokens in the decoder
+    on    the same, with each checkpointed layer / block keeping only its input (T·2H / P·2D bytes)
+
+Each term is a count of saved tensors of known widths, in the dtype they are saved in: activations in bf16 (2 bytes),
+and what the modules compute in fp32 in 4 (transformers' RMSNorm keeps its fp32 input copy and 1/rms; Qwen3.5's keeps
+its normalised value in fp32 too; routing probabilities; FLA's decay and norms). Tensors shared by several ops (the
+norm's output read by q, k and v; a view of a fused projection) count once, as autograd keeps one storage.
+
+The attention kernels' term is their backward contract on the GPU, not what the CPU reference keeps: FA2 and torch's
+varlen attention keep q, k, v, the output (also o_proj's input: one storage) and the log-sum-exp (fp32, one per query
+head and token); FLA's ``chunk_gated_delta_rule`` keeps q and k (l2-normalised copies, with their fp32 1/norm),
+v, beta, its fp32 decay and the chunk's solved triangular matrix A (64 per value head and token, in k's dtype), and
+``causal_conv1d`` keeps its input. The CPU references keep more (per-sequence copies, chunk temporaries), so tests
+hold this model against steps run with stand-ins that keep exactly the kernels' tensors (tests/kernels.py).
+
+Not counted: the cos / sin of rotary held by a checkpointed layer's keyword arguments (2·head_dim per token, once),
+the transient peak of one layer's recompute in backward, the logits of one loss chunk, and allocator fragmentation.
+`training_state_bytes` counts what adds to them at the peak (weights, gradients, AdamW moments); ``hf-packing stats``
+and ``recipes/train.py --gpu_memory_gib`` add the two for the largest pack the budgets allow (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ActivationMemory", "training_state_bytes"]
+
+ACT, FP32, INDEX = 2.0, 4.0, 8.0  # bytes: a bf16 activation, an fp32 one, an int64 index
+
+
+def _norm_bytes(norm: Any, width: float) -> float:
+    """Bytes a norm over rows of ``width`` keeps per row (its input when that is its own fp32 copy, 1/rms or
+    mean/rstd, the normalised value); its output is counted by whoever reads it."""
+    if isinstance(norm, torch.nn.LayerNorm):
+        return ACT * width + 2 * ACT  # input, mean and rstd in the input's dtype
+    if hasattr(norm, "variance_epsilon"):  # weight * x_normed.to(dtype): fp32 input copy, 1/rms, bf16 normalised
+        return (FP32 + ACT) * width + FP32
+    return 2 * FP32 * width + FP32  # (1 + weight) * x_normed in fp32 (Qwen3.5): fp32 input and normalised value
+
+
+def _mlp_bytes(mlp: Any, act: str) -> float:
+    """A dense MLP's bytes per token beyond its input: SwiGLU keeps gate, act(gate), up and their product; a plain
+    MLP keeps fc1's output (QuickGELU: and its sigmoid) and the activation's output."""
+    if hasattr(mlp, "gate_proj"):
+        return 4 * ACT * mlp.gate_proj.out_features
+    fc1 = getattr(mlp, "fc1", None) or mlp.linear_fc1
+    return (3 if act == "quick_gelu" else 2) * ACT * fc1.out_features
+
+
+def _attention_bytes(attn: Any, text: Any) -> float:
+    """A softmax-attention layer's bytes per token beyond its input (the norm's output), under FA2 / varlen."""
+    heads, kv = text.num_attention_heads, text.num_key_value_heads
+    dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    q, k = heads * dim, kv * dim
+    total = ACT * (q + 2 * k + q) + FP32 * heads  # q, k (rotated copies), v, output, log-sum-exp
+    if getattr(attn, "q_norm", None) is not None:  # per-head norms, their output rotated into a new tensor
+        total += _norm_bytes(attn.q_norm, dim) * heads + _norm_bytes(attn.k_norm, dim) * kv
+    if attn.q_proj.out_features == 2 * q:  # output gate (Qwen3.5): sigmoid(gate) and the gated output o_proj reads
+        total += 2 * ACT * q
+    return total
+
+
+def _linear_attention_bytes(attn: Any, text: Any) -> float:
+    """A Gated DeltaNet layer's bytes per token beyond its input, under FLA's kernels."""
+    hk, hv = text.linear_num_key_heads, text.linear_num_value_heads
+    dk, dv = text.linear_key_head_dim, text.linear_value_head_dim
+    conv = 2 * hk * dk + hv * dv
+    kernel = ACT * (2 * hk * dk + hv * dv + hv * 64) + 2 * FP32 * hk  # q, k, v, A; 1/norm of q and k
+    gates = 3 * FP32 * hv + ACT * hv  # decay: softplus input, its output, g (fp32); beta = sigmoid(b)
+    norm = hv * (3 * FP32 * dv + 2 * ACT * dv + FP32)  # gated RMSNorm per value head: fp32 x, normed, gate; 1/rms
+    return ACT * conv + kernel + gates + norm + ACT * hv * dv  # conv input; ...; out_proj's input
+
+
+def _moe_bytes(mlp: Any, text: Any) -> float:
+    """An MoE block's bytes per token beyond its input: the router, each of the k experts a token visits, and the
+    shared expert with its gate (Qwen3.5-MoE)."""
+    k, experts = text.num_experts_per_tok, text.num_experts
+    width = text.moe_intermediate_size
+    router = FP32 * (experts + k + 1) + INDEX * k  # probabilities, top-k values and their sum, top-k indices
+    # per visit: the gathered input and the expert's output, gate‖up, act(gate), the product, the routing weight,
+    # three int64 indices (sort, gather, scatter)
+    routed = k * (2 * ACT * text.hidden_size + 4 * ACT * width + ACT + 3 * INDEX)
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is None:
+        return router + routed
+    return router + routed + _mlp_bytes(shared, "silu") + ACT * (text.hidden_size + 1)  # its output, sigmoid gate
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Bytes autograd keeps for backward, per unit of a pack's counts (see the module docstring).
+
+    Attributes:
+        token (`float`): per real token, checkpointing off: input ids, rotary cos / sin, every decoder layer, the
+            final norm.
+        token_checkpointed (`float`): the same with every decoder layer keeping only its input.
+        supervised (`float`): per supervised token (the loss keeps its hidden state, label and index).
+        patch / patch_checkpointed (`float`): per vision patch, the tower trained: pixels, blocks, mergers.
+        merged (`float`): per merged vision token, in the decoder (the scattered embeddings, DeepStack's additions).
+        merge (`int`): m, the spatial merge size (a merged token is m² patches).
+        vision_trainable (`bool`): any tower parameter trains; a frozen tower runs without autograd and keeps
+            nothing, its merged tokens only their index into the sequence.
+    """
+
+    token: float
+    token_checkpointed: float
+    supervised: float
+    patch: float = 0.0
+    patch_checkpointed: float = 0.0
+    merged: float = 0.0
+    merge: int = 1
+    vision_trainable: bool = True
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> ActivationMemory:
+        """Counts of a transformers Qwen-VL ``ForConditionalGeneration`` (unwrapped; the meta device will do)."""
+        config: Any = model.config  # a transformers PretrainedConfig (ops import no transformers)
+        text = config.get_text_config()
+        inner: Any = getattr(model, "model", model)
+        lm: Any = getattr(inner, "language_model", inner)
+        hidden = text.hidden_size
+        heads = text.num_attention_heads
+        dim = getattr(text, "head_dim", None) or hidden // heads
+        rotary = int(dim * (getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0))
+        layers = 0.0
+        for layer in lm.layers:
+            norm = _norm_bytes(layer.input_layernorm, hidden) + _norm_bytes(layer.post_attention_layernorm, hidden)
+            if getattr(layer, "linear_attn", None) is not None:
+                mixer = _linear_attention_bytes(layer.linear_attn, text)
+            else:
+                mixer = _attention_bytes(layer.self_attn, text)
+            mlp = _moe_bytes(layer.mlp, text) if hasattr(layer.mlp, "experts") else _mlp_bytes(layer.mlp, "silu")
+            layers += norm + 2 * ACT * hidden + mixer + mlp  # the two norms' outputs, read by the mixer and the MLP
+        outside = INDEX + _norm_bytes(lm.norm, hidden)  # input ids, final norm
+        counts = cls(
+            token=outside + 2 * ACT * rotary + layers,  # cos / sin: once, shared by the layers
+            token_checkpointed=outside + len(lm.layers) * ACT * hidden,
+            supervised=ACT * hidden + 2 * INDEX,
+        )
+        tower: Any = getattr(inner, "visual", None)
+        if tower is None:
+            return counts
+        return cls(
+            token=counts.token,
+            token_checkpointed=counts.token_checkpointed,
+            supervised=counts.supervised,
+            **_tower_bytes(tower, config.vision_config, hidden),
+        )
+
+    def saved_bytes(
+        self, *, tokens: float, patches: float = 0.0, supervised: float | None = None, checkpointing: bool = False
+    ) -> float:
+        """Bytes kept for backward by one step on a pack of ``tokens`` real tokens (``supervised`` of them with a
+        label; default all), ``patches`` vision patches (Σ t·h·w), gradient checkpointing off or on (every decoder
+        layer and tower block)."""
+        supervised = tokens if supervised is None else supervised
+        text = tokens * (self.token_checkpointed if checkpointing else self.token) + supervised * self.supervised
+        if not self.vision_trainable:  # the tower ran without autograd: only the scatter's index into the tokens
+            return text + patches / self.merge**2 * INDEX
+        tower = patches * (self.patch_checkpointed if checkpointing else self.patch)
+        return text + tower + patches / self.merge**2 * self.merged
+
+
+def _tower_bytes(tower: Any, vc: Any, text_hidden: int) -> dict[str, Any]:
+    """`ActivationMemory`'s vision fields (per patch; merged tokens per m² patches)."""
+    fields = vc.to_dict()  # getattr(vc, "window_size", None) raises on Qwen3-VL's per-layer config in 5.23
+    width = fields.get("embed_dim") or vc.hidden_size  # Qwen2-VL: hidden_size is its output
+    heads, merge = vc.num_heads, vc.spatial_merge_size
+    patch_dim = 3 * vc.temporal_patch_size * vc.patch_size**2
+    act = str(fields.get("hidden_act", ""))
+    per_block = 0.0
+    for block in tower.blocks:
+        attention = ACT * (2 * width + 3 * width + width) + FP32 * heads  # rotated q, k; fused qkv (v's storage); out
+        norms = _norm_bytes(block.norm1, width) + _norm_bytes(block.norm2, width)
+        per_block += norms + 2 * ACT * width + attention + _mlp_bytes(block.mlp, act)
+    windows = 2 * INDEX / merge**2 if fields.get("fullatt_block_indexes") and fields.get("window_size") else 0.0
+    positions = 4 * INDEX + 4 * FP32 if fields.get("num_position_embeddings") else 0.0  # bilinear ids and weights
+    merger: Any = tower.merger
+    merger_norm = getattr(merger, "ln_q", None) or merger.norm
+    mergers = _norm_bytes(merger_norm, width) + 3 * ACT * width  # fc1's input, the activation's input and output
+    deepstack = list(getattr(tower, "deepstack_merger_list", None) or [])
+    # a DeepStack merger's norm reads the block output that the next block (or the merger) already keeps
+    mergers += len(deepstack) * (2 * ACT / merge**2 + 3 * ACT * width)
+    outside = ACT * patch_dim + windows + positions  # the pixels (patch embedding's input)
+    return {
+        "patch": outside + 2 * FP32 * (width // heads) + per_block + mergers,  # rotary cos / sin (fp32), once
+        "patch_checkpointed": outside + len(tower.blocks) * ACT * width + mergers,
+        "merged": (1 + len(deepstack)) * (ACT * text_hidden + INDEX),
+        "merge": merge,
+        "vision_trainable": any(p.requires_grad for p in tower.parameters()),
+    }
+
+
+def training_state_bytes(model: torch.nn.Module, *, optimizer_bytes_per_param: float | None = None) -> dict[str, float]:
+    """Weights, gradients and optimizer state of ``model`` in bytes: weights and gradients in the parameters' dtype
+    (trainable ones only get a gradient and optimizer state); torch's AdamW keeps two moments in the parameter's
+    dtype (``optimizer_bytes_per_param`` overrides: 8 for fp32 moments of bf16 weights)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    if optimizer_bytes_per_param is None:
+        optimizer = float(2 * grads)
+    else:
+        optimizer = optimizer_bytes_per_param * sum(p.numel() for p in trainable)
+    return {"weights": float(weights), "grads": float(grads), "optimizer": float(optimizer)}
