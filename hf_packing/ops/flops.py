@@ -48,11 +48,20 @@ def _matmul_numel(named: Any, experts: int | None = None, active: int | None = N
     ``active / experts``. ``named``: ``(name, parameter)`` pairs."""
     total = 0.0
     for name, p in named:
-        if p.dim() < 2 or "embed_tokens" in name or "pos_embed" in name or "lm_head" in name:
+        shape = _full_shape(p)
+        if len(shape) < 2 or "embed_tokens" in name or "pos_embed" in name or "lm_head" in name:
             continue
-        numel = float(getattr(p, "ds_numel", p.numel()))  # DeepSpeed ZeRO-3 partitions hold numel 0
+        numel = float(torch.Size(shape).numel())
         total += numel * active / experts if experts and active and ".experts." in f".{name}" else numel
     return total
+
+
+def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole parameter, read from attributes only (no gather, no weight touched): DeepSpeed ZeRO-3
+    partitions hold a local shape of ``(0,)`` (or a 1-D slice) and the full one in ``ds_shape``; an FSDP2 DTensor's
+    ``shape`` is already its global shape (its local shard is ``to_local()``)."""
+    ds_shape = getattr(p, "ds_shape", None)
+    return tuple(ds_shape) if ds_shape is not None else tuple(p.shape)
 
 
 @dataclass(frozen=True)
