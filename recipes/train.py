@@ -307,7 +307,7 @@ def check_engine(trainer: Trainer) -> None:
 
 
 class EngineReport(TrainerCallback):
-    """Logs `engine_report` of every rank when training begins (the model is wrapped then), one JSON line each."""
+    """Prints `engine_report` on every rank when training begins (the model is wrapped then), one JSON line each."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
