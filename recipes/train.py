@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import glob
+import json
 import logging
 import os
 import sys
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import HfArgumentParser, Trainer, TrainingArguments
+from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 
 from hf_packing import PackingConfig
 from hf_packing.config import per_source_flags
@@ -470,6 +471,65 @@ def choose_checkpointing(model_args: ModelArguments, packing: PackingConfig, arg
             args.activation_checkpointing = True
 
 
+#: what ``accelerate launch`` exports for a config's ``distributed_type`` -> the Trainer's flag that says it engaged
+ENGINES = {
+    "ACCELERATE_USE_FSDP": ("FSDP", "is_fsdp_enabled"),
+    "ACCELERATE_USE_DEEPSPEED": ("DeepSpeed", "is_deepspeed_enabled"),
+}
+
+
+def check_engine(trainer: Trainer) -> None:
+    """Refuses a silent engine fallback: when the launch asked for FSDP or DeepSpeed (``accelerate launch`` exports
+    ``ACCELERATE_USE_FSDP`` / ``ACCELERATE_USE_DEEPSPEED`` from the config) and the Trainer's accelerator did not
+    engage it, a `SettingError` before training. accelerate engages FSDP only on GPU-like devices and DeepSpeed
+    only without ``use_cpu``; otherwise it runs plain DDP (or one process) unsharded, without a word."""
+    for variable, (engine, engaged) in ENGINES.items():
+        if os.environ.get(variable, "false").lower() == "true" and not getattr(trainer, engaged):
+            raise SettingError(
+                f"the accelerate config asks for {engine} ({variable}=true) but the Trainer would run "
+                f"{trainer.accelerator.distributed_type.value} (device {trainer.args.device}, use_cpu="
+                f"{trainer.args.use_cpu}): accelerate engages FSDP on GPU-like devices only and DeepSpeed only "
+                "without use_cpu; launch on GPUs, or use recipes/accelerate/ddp.yaml for CPU processes"
+            )
+
+
+class EngineReport(TrainerCallback):
+    """Prints `engine_report` on every rank when training begins (the model is wrapped then), one JSON line each."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        sys.stdout.write(f"hf_packing engine: {json.dumps(engine_report(self.trainer))}\n")  # one write: ranks
+        sys.stdout.flush()  # share the launcher's stdout, and print() writes the line and its end separately
+
+
+def engine_report(trainer: Trainer) -> dict[str, Any]:
+    """What the engine did to the parameters, read on this rank once training has wrapped the model: the
+    distributed type, the ZeRO stage, and the parameters' elements held here (``local``: a ZeRO-3 partition, an
+    FSDP2 DTensor's shard) against the whole model's (``full``: ``ds_numel``, the DTensor's global shape)."""
+    from torch.distributed.tensor import DTensor
+
+    model = trainer.model
+    local = full = dtensors = 0
+    for p in model.parameters():
+        is_dtensor = isinstance(p, DTensor)
+        dtensors += is_dtensor
+        local += (p.to_local() if is_dtensor else getattr(p, "ds_tensor", p)).numel()  # ZeRO-3: its partition
+        full += int(getattr(p, "ds_numel", p.numel()))
+    engine = trainer.model_wrapped
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
+    return {
+        "distributed_type": trainer.accelerator.distributed_type.value,
+        "zero_stage": stage,
+        "dtensor_params": dtensors,
+        "local_numel": local,
+        "full_numel": full,
+        "rank": trainer.args.process_index,
+        "world_size": trainer.args.world_size,
+    }
+
+
 def main(argv: list[str] | None = None) -> Trainer:
     from transformers import AutoConfig, AutoProcessor
 
@@ -548,11 +608,14 @@ def main(argv: list[str] | None = None) -> Trainer:
         processing_class=processor,
     )
     prepare_trainer(trainer, max_length=packing.max_length)  # keep each rank's packs; telemetry before reporters
+    check_engine(trainer)  # FSDP / DeepSpeed asked for and not engaged: stop here, not after an unsharded run
+    trainer.add_callback(EngineReport(trainer))
     resume = training_args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume in ("true", "True", "last") else resume)
     if trainer.is_fsdp_enabled:  # sharded checkpoints resume fast; the final model is one consolidated copy
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model()
+    trainer.save_state()  # trainer_state.json: the full-precision log history next to the model
     logger.info("packing stats: %s", packs.stats(log=False))
     end_distributed()  # every rank: barrier, then destroy the process group (no SIGABRT at interpreter exit)
     return trainer

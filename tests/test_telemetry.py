@@ -210,6 +210,7 @@ def test_logged_mfu_is_training_flops_over_time_and_peak(tmp_path, monkeypatch):
         assert log["packing/mfu_with_vision"] == pytest.approx(total * per_second_and_peak, rel=1e-9)
         assert log["packing/mfu"] == pytest.approx(text * per_second_and_peak, rel=1e-9)
         assert log["packing/tflops_per_s_per_device"] == pytest.approx(total / (2 * 2.5) / 1e12, rel=1e-9)
+        assert log["packing/flops_per_step"] == pytest.approx(total, rel=1e-9)  # one optimizer step per log
         assert control != pytest.approx(log["packing/mfu_with_vision"], rel=1e-3)
     assert any(b.get("image_grid_thw") is not None and b["image_grid_thw"][0].tolist() == [1, 4, 6] for b in seen)
 

@@ -50,7 +50,13 @@ __all__ = ["ModelFlops", "num_experts"]
 
 #: weights read by lookup or interpolation, not multiplied: token embeddings, the vision position tables (Qwen's
 #: ``pos_embed``, GLM-V's ``embeddings.position_embedding``), and the LM head (counted as H·V analytically)
-_LOOKUPS = ("embed_tokens", "pos_embed", "position_embedding", "ngram_embedding", "lm_head")  # ngram: Qwen4-Exp PLE tables
+_LOOKUPS = (
+    "embed_tokens",
+    "pos_embed",
+    "position_embedding",
+    "ngram_embedding",
+    "lm_head",
+)  # ngram: Qwen4-Exp PLE tables
 
 
 def _on_merged(name: str) -> bool:
@@ -70,9 +76,10 @@ def _matmul_numel(named: Any, experts: int | None = None, active: int | None = N
     ``active / experts``. ``named``: ``(name, parameter)`` pairs."""
     total = 0.0
     for name, p in named:
-        if p.dim() < 2 or any(lookup in name for lookup in _LOOKUPS):
+        shape = _full_shape(p)
+        if len(shape) < 2 or any(lookup in name for lookup in _LOOKUPS):
             continue
-        numel = float(getattr(p, "ds_numel", p.numel()))  # DeepSpeed ZeRO-3 partitions hold numel 0
+        numel = float(torch.Size(shape).numel())
         total += numel * active / experts if experts and active and ".experts." in f".{name}" else numel
     return total
 
@@ -92,6 +99,14 @@ def qsa_counts(n: int, compress_ratio: int, block_topk: int) -> tuple[int, int]:
     selected = _floor_sum(min(n, k * r - 1), r) + k * max(0, n - k * r + 1)
     tails = n * (n + 1) // 2 - r * scored
     return r * selected + tails, scored
+
+
+def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole parameter, read from attributes only (no gather, no weight touched): DeepSpeed ZeRO-3
+    partitions hold a local shape of ``(0,)`` (or a 1-D slice) and the full one in ``ds_shape``; an FSDP2 DTensor's
+    ``shape`` is already its global shape (its local shard is ``to_local()``)."""
+    ds_shape = getattr(p, "ds_shape", None)
+    return tuple(ds_shape) if ds_shape is not None else tuple(p.shape)
 
 
 @dataclass(frozen=True)

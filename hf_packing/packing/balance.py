@@ -29,11 +29,12 @@ attention adds 93 tokens' worth).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -88,13 +89,31 @@ def model_flops(config: Any = None, *, vision_trainable: bool = True) -> ModelFl
         config = copy.deepcopy(config)
         config._attn_implementation = "eager"  # the shapes only: a flash_attention_2 config builds without flash-attn
         model_class: Any = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
-        with torch.device("meta"):
+        with torch.device("meta"), _outside_zero3_init():
             model = model_class(config)
         _COUNTED[key] = dataclasses.replace(ModelFlops.from_model(model), vision_trainable=vision_trainable)
     return _COUNTED[key]
 
 
 _COUNTED: dict[tuple, ModelFlops] = {}
+
+
+@contextlib.contextmanager
+def _outside_zero3_init() -> Iterator[None]:
+    """Builds a model as if no DeepSpeed ZeRO-3 config were registered. `TrainingArguments` with a stage-3 config
+    registers it with transformers (a weak reference in ``transformers.integrations.deepspeed``), and from then on
+    every model transformers builds, the meta one counted here too, is built inside ``deepspeed.zero.Init``, which
+    partitions and initialises real weights (copying out of a meta tensor fails); the cost model needs shapes only.
+    The registration is restored on exit. transformers keeps it in a module global with no public getter, hence the
+    private name (checked by tests/test_balance.py)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    registered = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
 
 
 @dataclass(frozen=True)

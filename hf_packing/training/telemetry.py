@@ -13,6 +13,7 @@ and adds ``packing/*`` keys to the ``logs`` dict:
     images_per_step, videos_per_step, vision_patches_per_step   per optimizer step
     dropped_samples   cumulative samples not trained on (stats() skipped, all reasons, + leftover_samples), rank 0's
     tflops_per_s_per_device   text + vision model FLOPs per second, when the model's parameter counts are known
+    flops_per_step    text + vision model FLOPs of one optimizer step, summed over ranks (no clock in it)
     mfu, mfu_with_vision      (with a peak) the language model's FLOPs only, as lmms-engine reports MFU; and text +
                               vision, comparable with Megatron-Bridge's
 
@@ -335,6 +336,7 @@ class PackingTelemetry(TrainerCallback):
             vision = c["vision_flops"]
             per_device = 1.0 / seconds / self._world / 1e12
             new["tflops_per_s_per_device"] = (text + vision) * per_device
+            new["flops_per_step"] = (text + vision) / steps  # the count itself, all ranks: equal under every engine
             if self.peak_tflops:
                 new["mfu"] = text * per_device / self.peak_tflops  # LLM only, as lmms-engine reports it
                 new["mfu_with_vision"] = new["tflops_per_s_per_device"] / self.peak_tflops
