@@ -152,3 +152,117 @@ def test_transformers_common_tests_pass_on_the_patched_backbone_as_plain(model_t
     patched = failures()
     print(f"{model_type}: {len(names)} tests, plain failures {len(plain)}, new under the patch {patched - plain}")
     assert patched - plain <= BACKBONE_REFUSALS, patched - plain
+
+
+#: transformers' own GLM-V modeling test classes, in ``tests/models/<type>/test_modeling_<type>.py`` of a
+#: transformers source tree (the sdist ships only the top-level ``tests/*.py``; see docs/verified.md)
+GLM_CLASSES = {"glm4v": "Glm4vModelTest", "glm4v_moe": "Glm4vMoeModelTest", "glm46v": "Glm46VModelTest"}
+#: the error of a model loaded with attn_implementation="eager": the patch routes only sdpa / flash attention
+#: (docs/patches.md, "refused with a clear error")
+EAGER_REFUSAL = "but this model was loaded with attn_implementation='eager'"
+#: upstream GLM-V tests that pass plain and fail under the patch by design, and the error each must raise: both load
+#: the model with eager attention to return attention weights (``output_attentions``)
+GLM_REFUSALS = {"test_attention_outputs": EAGER_REFUSAL, "test_retain_grad_hidden_states_attentions": EAGER_REFUSAL}
+
+
+def _glm_case(model_type: str) -> type[unittest.TestCase]:
+    """transformers' ``<Family>ModelTest`` whose tester builds the training call the patch takes: ``use_cache``
+    off in the config (a call with a cache in effect runs the original forward by design) and ``mm_token_type_ids``
+    beside the pixels (transformers 5.23 requires them; testers written before that leave them out)."""
+    path = Path(UPSTREAM) / "models" / model_type / f"test_modeling_{model_type}.py"
+    if not path.exists():
+        pytest.skip(f"{path} is missing (the sdist ships no tests/models/: use a transformers source checkout)")
+    _modeling_common()
+    _stub("upstream_tests.utils")  # only test_config reads config_common_kwargs; the patch does not touch configs
+    _stub("upstream_tests.utils.test_configuration_utils", config_common_kwargs={})
+    module = importlib.import_module(f"upstream_tests.models.{model_type}.test_modeling_{model_type}")
+    base = getattr(module, GLM_CLASSES[model_type])
+
+    class TrainingTester:
+        def __init__(self, tester) -> None:
+            self.tester = tester
+
+        def __getattr__(self, name: str):
+            return getattr(self.tester, name)
+
+        def prepare_config_and_inputs_for_common(self):
+            config, inputs = self.tester.prepare_config_and_inputs_for_common()
+            config.get_text_config().use_cache = False
+            if "pixel_values" in inputs and "mm_token_type_ids" not in inputs:
+                inputs["mm_token_type_ids"] = (inputs["input_ids"] == self.tester.image_token_id).long()
+            return config, inputs
+
+    class Case(base):  # type: ignore[misc, valid-type]
+        def setUp(self) -> None:
+            super().setUp()
+            self.model_tester = TrainingTester(self.model_tester)
+
+    return Case
+
+
+def _outcomes(case: type[unittest.TestCase], names: list[str]) -> tuple[dict[str, str], int, int]:
+    """Run ``names`` of ``case``: (each failed or errored name, subtests included, with its traceback; the number
+    run; the number skipped)."""
+    with open(os.devnull, "w") as devnull:
+        result = unittest.TextTestRunner(stream=devnull).run(unittest.TestSuite(case(n) for n in names))
+    failed = {getattr(c, "test_case", c)._testMethodName: text for c, text in result.failures + result.errors}
+    skipped = {getattr(c, "test_case", c)._testMethodName for c, _ in result.skipped}
+    return failed, result.testsRun, len(skipped)
+
+
+class _TextAttentionCalls:
+    """Counts the patched text attention's varlen calls (proof the packed path ran); with ``merge``, a call of
+    several sequences attends as one span, both ways (the negative control: transformers' batching test compares
+    the first row only, which a causal merge leaves exact)."""
+
+    def __init__(self, monkeypatch, merge: bool = False) -> None:
+        from hf_packing.ops.varlen import PackedSequences
+        from hf_packing.patches import _attention
+
+        kernel, self.calls = _attention.varlen_attention, 0
+
+        def counted(q, k, v, seqs, *, causal, **kwargs):
+            self.calls += causal
+            if causal and merge and len(seqs.seqlens) > 1:
+                seqs, causal = PackedSequences.from_seqlens([sum(seqs.seqlens)], device=seqs.cu_seqlens.device), False
+            return kernel(q, k, v, seqs, causal=causal, **kwargs)
+
+        monkeypatch.setattr(_attention, "varlen_attention", counted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", list(GLM_CLASSES))
+def test_transformers_glm_modeling_tests_pass_under_the_patch_as_plain(model_type, monkeypatch):
+    """Every test of transformers' own ``<Family>ModelTest`` (the model tester's call with ``use_cache`` off) that
+    passes plain passes under `hf_packing.apply_rmpad`, except `GLM_REFUSALS`; the patched run goes through the
+    packed text attention, the plain one never."""
+    case = _glm_case(model_type)
+    names = unittest.TestLoader().getTestCaseNames(case)
+    attention = _TextAttentionCalls(monkeypatch)
+    plain, ran, skipped = _outcomes(case, names)
+    assert attention.calls == 0
+    hf_packing.apply_rmpad(model_type)
+    patched, _, patched_skipped = _outcomes(case, names)
+    passed, new = ran - skipped - len(plain), sorted(set(patched) - set(plain))
+    print(
+        f"{model_type}: {ran} tests, plain passed {passed} / failed {len(plain)} / skipped {skipped}; patched failed "
+        f"{len(patched)} / skipped {patched_skipped}, packed text attention calls {attention.calls}; new under the "
+        f"patch {new}; plain failures {sorted(plain)}"
+    )
+    assert passed > 0 and attention.calls > 0
+    assert set(new) <= set(GLM_REFUSALS), {n: patched[n].strip().splitlines()[-1] for n in new}
+    assert all(GLM_REFUSALS[n] in patched[n] for n in new), {n: patched[n].strip().splitlines()[-1] for n in new}
+
+
+@pytest.mark.slow
+def test_negative_control_glm_batching_equivalence_fails_with_text_boundaries_merged(monkeypatch):
+    """The comparison above can fail: with the rows' boundaries dropped in the patched text attention (the rows
+    attend to each other), transformers' own batching-equivalence test (the first row alone equals it in the
+    batch) fails on GLM-4.1V; plain and correctly patched, it passes."""
+    case = _glm_case("glm4v")
+    assert _outcomes(case, ["test_batching_equivalence"])[0] == {}
+    hf_packing.apply_rmpad("glm4v")
+    assert _outcomes(case, ["test_batching_equivalence"])[0] == {}
+    attention = _TextAttentionCalls(monkeypatch, merge=True)
+    assert set(_outcomes(case, ["test_batching_equivalence"])[0]) == {"test_batching_equivalence"}
+    assert attention.calls > 0
