@@ -4,6 +4,7 @@ image-heavy case worse)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -70,18 +71,25 @@ def _pack_flops(cost: WorkCost, unit: float, samples) -> float:
 def test_a_packs_cost_is_its_training_flops(model_type, frozen):
     """The packer's cost of a pack (from metadata and the config alone) × one token's FLOPs = `training_flops` of the
     batch (from the loaded model; itself against FlopCounterMode in test_flops.py), every family, trained and frozen
-    tower. Negative control: Qwen2.5-VL frames cut into edge windows, where the packer's estimate (whole windows)
-    must be above the exact count, by more than the tolerance."""
+    tower. Qwen4-Exp: the packer sees only Σ len², so it counts the QSA layers as dense causal attention (the
+    documented upper bound, `hf_packing.ops.flops`): equal to `training_flops`' vision + the text with no QSA layer,
+    above the exact count. Negative control: Qwen2.5-VL frames cut into edge windows, where the packer's estimate
+    (whole windows) must be above the exact count, by more than the tolerance."""
     model = build_tiny_model(model_type)
     model.model.visual.requires_grad_(not frozen)
     cost = WorkCost.from_config(model.config, vision_trainable=not frozen)
     counts = model_flops(model.config, vision_trainable=not frozen)
     assert counts == cost_model(model)  # the meta-built model's weights are the loaded model's
     samples = SAMPLES.get(model_type, [(40, [[1, 6, 10]]), (70, [[2, 4, 8], [1, 12, 4]])])
-    exact = training_flops(model, _batch(samples))["total"]
+    flops = training_flops(model, _batch(samples))
+    exact = flops["total"]
     ours = _pack_flops(cost, WorkCost.unit(counts), samples)
     print(f"{model_type} frozen={frozen}: packer {ours:.6e} training_flops {exact:.6e}")
-    assert ours == pytest.approx(exact, rel=1e-9)
+    if counts.qsa_layers:
+        dense = dataclasses.replace(counts, qsa_layers=0).text_of([n for n, _ in samples]) + flops["vision"]
+        assert ours == pytest.approx(dense, rel=1e-9) and ours > exact and ours != pytest.approx(exact, rel=1e-3)
+    else:
+        assert ours == pytest.approx(exact, rel=1e-9)
     if model_type == "qwen2_5_vl":
         edge_exact = training_flops(model, _batch(EDGE))["total"]
         edge = _pack_flops(cost, WorkCost.unit(counts), EDGE)
