@@ -1,6 +1,11 @@
 """hf_packing: padding-free, packed training of Qwen-VL models with the Hugging Face Trainer.
 
 Importing the package does nothing: no transformers import, no device probe, no environment read.
+
+Files:
+    _compat.py   the only place that probes versions and optional packages (flash-attn, liger, fla, video)
+    config.py    PackingConfig: every pack_dataset setting once (default, type, help), HfArgumentParser-ready
+    collator.py  VisionCollator: rows (padded, cu_seqlens, M-RoPE positions) or flat (transformers' path)
 """
 
 from __future__ import annotations

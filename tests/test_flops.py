@@ -156,12 +156,17 @@ def test_negative_control_full_square_attention_is_off():
 
 def test_linear_attention_term_is_linear_in_tokens():
     """Qwen3.5: a Gated DeltaNet layer costs 18·S per token (S its state size; a convention, left out of the
-    FlopCounterMode comparison above), so splitting a document changes only the softmax layers' term."""
+    FlopCounterMode comparison above), so splitting a document changes only the softmax layers' term. By hand for
+    the tiny config (layers: one linear, one full attention of 4 heads × 64 = d 256): splitting 1000 tokens in two
+    halves saves 6·256·(1000² − 2·500²) = 768,000,000 FLOPs; 2000 tokens cost twice 1000 plus 6·256·(2000² − 2·1000²)
+    = 3,072,000,000 (every per-token term, the recurrence's included, cancels)."""
     model = build_tiny_model("qwen3_5")
     counts = cost_model(model)
     assert (counts.attention_layers, counts.linear_layers, counts.linear_state) == (1, 1, 4 * 16 * 16)
+    assert counts.attention_dim == 256
     one_doc, two_docs = text_flops(model, [1000]), text_flops(model, [500, 500])
-    assert one_doc - two_docs == pytest.approx(6 * counts.attention_dim * (1000**2 - 2 * 500**2))
+    assert one_doc - two_docs == 768_000_000
+    assert text_flops(model, [2000]) - 2 * one_doc == 3_072_000_000
 
 
 def test_negative_control_qsa_counted_as_dense_attention_is_off(monkeypatch):

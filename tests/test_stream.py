@@ -138,6 +138,7 @@ def test_state_from_other_settings_is_refused(data):
         next(iter(other))
 
 
+@pytest.mark.timeout(120)  # a pass that waited on a failed read instead of raising would hang: fail it instead
 def test_errors_reach_the_consumer(data, monkeypatch):
     with pytest.raises(SampleError, match="not found"):  # on_error="raise": the first bad row ends the pass
         list(make(data, on_error="raise"))
@@ -153,12 +154,11 @@ def test_errors_reach_the_consumer(data, monkeypatch):
             yield item
 
     monkeypatch.setattr(train._source, "rows", failing)
-    start = time.monotonic()
     with pytest.raises(OSError, match="disk gone"):
         list(train)
-    assert time.monotonic() - start < 30
 
 
+@pytest.mark.timeout(120)  # the pass ends at the error: a hang fails here instead of reaching the suite's limit
 @pytest.mark.parametrize("where", ["planning", "processing", "index"])
 def test_an_error_that_is_not_a_bad_row_stops_the_run(data, monkeypatch, where):
     """A processor API break (any exception but a `SampleError`) is no row's fault: it ends the pass instead of being
@@ -172,10 +172,8 @@ def test_an_error_that_is_not_a_bad_row_stops_the_run(data, monkeypatch, where):
         return original(self, row, index, **kwargs)
 
     monkeypatch.setattr(Preprocessor, name, broken)
-    start = time.monotonic()
     with pytest.raises(TypeError, match="unexpected keyword"):
         list(make(data, length_index="auto" if where == "index" else False))
-    assert time.monotonic() - start < 60
 
 
 def test_the_packer_starts_no_thread(data):

@@ -158,9 +158,10 @@ def test_trainer_logs_keys_before_reporters(tmp_path):
     assert (first["packing/images_per_step"], first["packing/vision_patches_per_step"]) == (1.0, 16.0)
     assert (second["packing/images_per_step"], second["packing/videos_per_step"]) == (0.0, 0.0)
     assert first["packing/dropped_samples"] == 3 + 1 + 2  # stats(): skipped (every reason) + leftover samples
+    assert first["packing/mfu"] < first["packing/mfu_with_vision"]  # the first pack's image adds the tower
     for log in logs:
+        # their values: test_logged_mfu_is_training_flops_over_time_and_peak (a fake clock, training_flops)
         assert log["packing/tokens_per_s"] > 0 and 0 < log["packing/mfu"] <= log["packing/mfu_with_vision"]
-        assert log["packing/mfu_with_vision"] == log["packing/tflops_per_s_per_device"]
     assert telemetry._handle is None and not tiny._forward_pre_hooks
 
 
@@ -242,3 +243,40 @@ def test_per_source_sums_are_kept_only_when_every_training_forward_gave_them():
     finally:
         telemetry.detach()
         hf_packing.revert_rmpad("qwen2_5_vl")
+
+
+@pytest.mark.multiproc
+def test_sp2_comm_share_and_vision_flops_exact(tmp_path):
+    """SP = 2 on 2 gloo processes (tests/multiproc_sp_telemetry.py): one group, one pack of 9 tokens (documents 4 + 5)
+    and one 1×4×4 image, a 10 s window on a fake clock in which rank 0 spends 2 s and rank 1 4 s in SP collectives.
+
+    Worked by hand from the helper's counts (N = 1000, L = 2, d = 8; N_pe = 10, N_blk = 100, N_mrg = 20, m = 2,
+    D = 4, one full-attention block; P = 16 patches, one frame of 16):
+        text   6·1000·9 + 6·2·8·(4² + 5²)                          = 54000 + 3936          = 57936
+        vision 3·(2·(10 + 100 + 20/4)·16 + 4·4·16²) − 2·10·16      = 3·(3680 + 4096) − 320 = 23008
+    The group trains the pack once, so a step is 80944 FLOPs on 2 devices for 10 s; the share of the SP collectives
+    is the mean over ranks of each rank's share, (2/10 + 4/10) / 2 = 0.3. Counting the tower on each SP rank
+    (103952 FLOPs) or dividing the summed comm time by the SP size (0.15) fails this test."""
+    import json
+    from pathlib import Path
+
+    from tests.helpers import torchrun
+
+    out = tmp_path / "logs.json"
+    proc = torchrun(Path(__file__).parent / "multiproc_sp_telemetry.py", str(out), nproc=2, timeout=240)
+    assert proc is not None, "torchrun hung past 240 s"
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    log = json.loads(out.read_text())
+    print(log)
+    text, vision, seconds, world, peak = 57936.0, 23008.0, 10.0, 2, 100.0
+    assert log["packing/sp_all_to_all_share"] == pytest.approx(0.3, rel=1e-12)
+    assert log["packing/flops_per_step"] == pytest.approx(text + vision, rel=1e-12)
+    assert log["packing/tflops_per_s_per_device"] == pytest.approx(80944.0 / seconds / world / 1e12, rel=1e-12)
+    assert log["packing/mfu_with_vision"] == pytest.approx(80944.0 / seconds / world / 1e12 / peak, rel=1e-12)
+    assert log["packing/mfu"] == pytest.approx(text / seconds / world / 1e12 / peak, rel=1e-12)
+    # the pack's counts once, not once per SP rank
+    assert log["packing/tokens_per_s"] == pytest.approx(0.9, rel=1e-12)
+    assert log["packing/tokens_per_s_per_gpu"] == pytest.approx(0.45, rel=1e-12)
+    assert log["packing/tokens_per_s_per_sp_group"] == pytest.approx(0.9, rel=1e-12)
+    assert log["packing/sp_padding_tokens"] == 1 and log["packing/pack_fill"] == pytest.approx(9 / 16, rel=1e-12)
+    assert log["packing/images_per_step"] == 1 and log["packing/vision_patches_per_step"] == 16

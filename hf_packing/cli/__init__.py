@@ -2,6 +2,12 @@
 ``plot`` (loss and token accuracy curves, overall and per source, of a Trainer run).
 
 Owns: the command line and its pictures (`plots`). May import: every part of the package (the top layer).
+
+Files:
+    __main__.py  `python -m hf_packing.cli`
+    demo.py      `hf-packing demo`: generate, pack (images / text sources), patch, train, evaluate, draw
+    stats.py     `hf-packing stats`: per-strategy packing statistics from metadata (flags: PackingConfig's)
+    plots.py     packs.png, loss.png, `hf-packing plot` curves and the stats histogram (matplotlib: `cli` extra)
 """
 
 from __future__ import annotations

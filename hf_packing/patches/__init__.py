@@ -13,6 +13,20 @@ Owns: the model side, transformers' classes as patched (`_forward`, `_backbone`,
 `_attention`, `_linear`, `_qwen4_exp`; the call record `_call`; the family table `_spec`), the loader guard
 (`prepared`) and the applied sequence-parallel state (`sequence_parallel`). May import: `hf_packing.ops`,
 `hf_packing.parallel`, `_compat` and transformers; never the packer, the preprocessing or the Trainer side.
+
+Files:
+    _spec.py              what differs between families: class names, rope kwargs, MoE, hybrid linear attention
+    _call.py              ForwardCall: a patched forward's call, parsed once into an immutable record (parse_call)
+    _forward.py           the padding-free ForConditionalGeneration.forward: contract, routing, outputs, MoE aux weight
+    _backbone.py          the padding-free XModel.forward (model.model) for callers with their own head (TRL)
+    _flatten.py           caller's batch → one flat row: boundaries (mask, cu_seqlens, position-id restarts), M-RoPE
+    _attention.py         routes patched attention classes through varlen (AttentionInterface.register)
+    _vision.py            one vision-tower call per forward on every rank: images ‖ videos together, dummy_vision
+    _linear.py            Qwen3.5: the linear-attention kernel functions get the boundaries (fla → reference)
+    _qwen4_exp.py         Qwen4-Exp: PLE n-grams and conv restart per sample, QSA selection per sample, no dense masks
+    _patcher.py           reversible patch records, registry entries included (revert restores the same objects)
+    prepared.py           forgetting prepare_trainer is loud: the packed forward checks accelerate's active loader
+    sequence_parallel.py  the applied SP state: current_state / current_size, init_sequence_parallel, sp_group
 """
 
 from __future__ import annotations

@@ -4,4 +4,9 @@ to train.
 
 Owns: what builds models, processors and data without the hub. May import: nothing else of the package (every
 part may use it in its own tests), only torch, transformers and datasets.
+
+Files:
+    tiny.py       tiny random Qwen-VL configs, models and locally built processors (no hub)
+    synthetic.py  generated multimodal dataset for the demo
+    syncs.py      SyncCounter: a step's syncing ops, tolist reads and host-data tensors, by the frame that made them
 """

@@ -28,14 +28,15 @@ peak comes from ``peak_tflops`` or the CUDA device name (H100 / H200 SXM bf16 de
 MFU is omitted.
 
 Under sequence parallelism (``apply_rmpad(sequence_parallel_size=P)``) the ``P`` ranks of a group see the same
-pack, so every count is divided by ``P`` after the sum over ranks (tokens are counted once) and these keys join:
+pack, so every count of the pack is divided by ``P`` after the sum over ranks (its tokens and its vision FLOPs are
+counted once; tests/test_telemetry.py holds SP = 2 to hand-worked values) and these keys join:
 
     tokens_per_s_per_gpu        tokens_per_s / world_size (also without SP)
     tokens_per_s_per_sp_group   tokens_per_s / (world_size / P): the rate at which one group trains its packs
     sp_padding_tokens           tokens added to pad each pack to a multiple of P (the only padding SP adds)
     sp_all_to_all_share         time in SP collectives (all-to-all, forward and backward) / training wall time,
-                                averaged over ranks; on CUDA from events around each collective (no sync in
-                                the step), on CPU wall time
+                                averaged over ranks (each rank's time, summed, / world_size / seconds); on CUDA
+                                from events around each collective (no sync in the step), on CPU wall time
 
 Per source (a `pack_dataset` of a ``{name: dataset}`` mix, or with ``source_column``; under `apply_rmpad`): the
 forward pre-hook opens `hf_packing.ops.loss.counting_sources` around each training forward, the patched loss sums each
@@ -84,6 +85,8 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 _DEVICE_KEYS = ("real", "sq", "patches", "sp_pad")  # accumulated as on-device int64
 _HOST_KEYS = ("real_host", "sq_host", "slots", "images", "videos", "forwards", "sp_pad_host", "comm_s", "vision_flops")
+#: positions in the all-reduced vector of the counts every SP rank of a group makes of the same pack
+_PER_PACK = [i for i, key in enumerate(_DEVICE_KEYS + _HOST_KEYS) if key != "comm_s"]
 
 
 def default_peak_tflops() -> float | None:
@@ -236,8 +239,9 @@ class PackingTelemetry(TrainerCallback):
         vec = torch.cat([acc, host, per.to(device=dev, dtype=dtype).flatten()])  # one all-reduce for everything
         if reduce:
             torch.distributed.all_reduce(vec)
-            # SP ranks count their group's pack each: count it once (not vision_flops and the dataset's numbers)
-            vec[: len(_DEVICE_KEYS) + len(_HOST_KEYS) - 1] /= sequence_parallel.current_size()
+            # SP ranks count their group's pack each (its tokens and its grids): count it once. Not comm_s, which
+            # each rank measures for itself (the share averages it over ranks), nor the dataset's numbers.
+            vec[_PER_PACK] /= sequence_parallel.current_size()
         values = vec.tolist()
         v = dict(zip(_DEVICE_KEYS + _HOST_KEYS + ("has_stats", "dropped", "per_source_missing"), values))
         return {
