@@ -49,8 +49,7 @@ class RopeIndex:
     """
 
     def __init__(self, config) -> None:
-        from .patches import supported_model_types
-        from .patches._spec import FAMILIES
+        from .patches import FAMILIES, supported_model_types
 
         if getattr(config, "model_type", None) not in FAMILIES:
             raise ValueError(
@@ -237,7 +236,7 @@ class VisionCollator:
         )
         batch.update(self._vision(samples))
         if self.vision_config is not None and batch.get("vision_grids"):
-            from .patches._vision import precomputed_vision_inputs  # transformers' helpers: only with a model config
+            from .patches import precomputed_vision_inputs  # transformers' helpers: only with a model config
 
             n_images = len(batch["image_grid_thw"]) if "image_grid_thw" in batch else 0
             precomputed = precomputed_vision_inputs(

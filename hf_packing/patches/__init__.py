@@ -13,6 +13,10 @@ Owns: the model side, transformers' classes as patched (`_forward`, `_backbone`,
 `_attention`, `_linear`, `_qwen4_exp`; the call record `_call`; the family table `_spec`), the loader guard
 (`prepared`) and the applied sequence-parallel state (`sequence_parallel`). May import: `hf_packing.ops`,
 `hf_packing.parallel`, `_compat` and transformers; never the packer, the preprocessing or the Trainer side.
+
+Public to the other parts (the private modules stay this part's own): `FAMILIES`, the family table (``model_type`` →
+`FamilySpec`: transformers' module and classes, the M-RoPE keyword arguments); `precomputed_vision_inputs`, the vision
+tower's host-side inputs, which the collator computes in its DataLoader workers.
 """
 
 from __future__ import annotations
@@ -34,14 +38,18 @@ from ._linear import linear_patches
 from ._patcher import Patch, PatchSet, RegistryPatch
 from ._qwen4_exp import qwen4_exp_patches
 from ._spec import FAMILIES, FamilySpec, frames_as_images
+from ._vision import precomputed_vision_inputs
 from .prepared import training
 
 __all__ = [
+    "FAMILIES",
+    "FamilySpec",
     "apply_rmpad",
     "check_attn_implementation",
     "frames_as_images",
     "is_applied",
     "is_patched",
+    "precomputed_vision_inputs",
     "revert_rmpad",
     "sequence_parallel_state",
     "supported_model_types",
