@@ -311,7 +311,20 @@ def test_the_public_names_are_unchanged_and_each_imports():
         [
             *("apply_rmpad", "revert_rmpad", "supported_model_types", "plan_packs", "pack_dataset"),
             *("PackingConfig", "VisionCollator", "prepare_trainer", "end_distributed", "end_process"),
+            *("PackedDataset", "WorkCost", "NoSamplesError", "TooManySkipsError", "PackingTelemetry"),
         ]
     )
     for name in hf_packing.__all__:
         assert callable(getattr(hf_packing, name)), name
+
+
+def test_the_names_users_are_told_to_use_import_from_the_package():
+    """The classes docs and recipes name (a pack stream, the cost model, the two errors, the callback) import from
+    ``hf_packing`` and are the classes their modules define."""
+    from hf_packing import NoSamplesError, PackedDataset, PackingTelemetry, TooManySkipsError, WorkCost
+    from hf_packing.packing import balance, dataset, stats
+    from hf_packing.training import telemetry
+
+    assert PackedDataset is dataset.PackedDataset and WorkCost is balance.WorkCost
+    assert NoSamplesError is stats.NoSamplesError and TooManySkipsError is stats.TooManySkipsError
+    assert issubclass(TooManySkipsError, NoSamplesError) and PackingTelemetry is telemetry.PackingTelemetry
