@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .ops.loss import IGNORE_INDEX
+from .ops.varlen import vision_item_tokens
 from .packing.source_ids import SOURCE_ID
 from .preprocess.checks import check_processor
 from .preprocess.preprocessor import VISION_KEYS
@@ -179,7 +180,9 @@ class VisionCollator:
             grid = sample.get(grid_key)
             placeholder = (ids == self.image_token_id) | (ids == self.video_token_id)  # of the type's kind below
             count = int(((types == code) & placeholder).sum()) if token is not None else 0
-            expected = 0 if grid is None else int(torch.as_tensor(grid).prod(-1).sum()) // self.merge**2
+            expected = (
+                0 if grid is None else sum(vision_item_tokens(torch.as_tensor(grid).reshape(-1, 3), merge=self.merge))
+            )
             if token is not None and count != expected:
                 raise ValueError(
                     f"sample {index}: {count} {kind} placeholder tokens but {grid_key} implies {expected}; "

@@ -147,3 +147,14 @@ def test_masked_reference_equals_per_sequence_reference(causal, window):
     torch.testing.assert_close(masked_reference_varlen(q, k, v, seqs, **kwargs), ref)
     merged = masked_reference_varlen(q, k, v, PackedSequences.from_seqlens([8, 1]), **kwargs)
     assert not torch.allclose(merged, ref, atol=1e-3)
+
+
+def test_vision_item_tokens_are_the_patches_over_merge_squared():
+    """A 448×448 image at patch 14 is a 32×32 grid: 1024 patches, 256 tokens after the 2×2 merge (Qwen2-VL's
+    processor puts 256 image tokens for it); a 2-frame 4×6 video is 48 patches, 12 tokens. Lists and tensors agree."""
+    grids = [[1, 32, 32], [2, 4, 6]]
+    assert varlen.vision_item_tokens(grids, merge=2) == [256, 12]
+    assert varlen.vision_item_tokens(torch.tensor(grids), merge=2) == [256, 12]
+    assert varlen.vision_item_tokens(grids, merge=1) == [1024, 48]
+    assert varlen.vision_item_tokens(torch.zeros(0, 3, dtype=torch.long), merge=2) == []
+    assert varlen.merged_tokens(1024, 2) == 256

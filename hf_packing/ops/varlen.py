@@ -21,6 +21,7 @@ k/v ``(T, H_kv, D)``:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,25 @@ class PackedSequences:
         if not self.seqlens:
             self.seqlens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
         return self.seqlens
+
+
+def merged_tokens(patches: int, merge: int) -> int:
+    """The text-row tokens of ``patches`` vision patches: the tower merges each ``merge × merge`` block of patches
+    into one token (``spatial_merge_size``, 2 in every Qwen-VL), so ``patches / merge²``. The one place this fact
+    lives: the preprocessing, the collator's checks, the patches and sequence parallelism all call it."""
+    return patches // merge**2
+
+
+def vision_item_tokens(grids: Sequence[Sequence[int]] | torch.Tensor, *, merge: int) -> list[int]:
+    """Each vision item's tokens in the text row, `merged_tokens` of its ``t·h·w`` patches.
+
+    Args:
+        grids (`list` of ``[t, h, w]``, or `torch.Tensor` of shape `(N, 3)`, integer): the items' patch grids
+            (``image_grid_thw`` / ``video_grid_thw``); a tensor is read on the host (one sync if on a device).
+        merge (`int`): the spatial merge size.
+    """
+    rows = grids.tolist() if isinstance(grids, torch.Tensor) else grids
+    return [merged_tokens(t * h * w, merge) for t, h, w in rows]
 
 
 def vision_seqlens(grids: list[list[int]], *, merge: int = 1, window: int = 0) -> tuple[list[int], ...]:

@@ -27,7 +27,14 @@ from typing import Any
 
 import torch
 
-from ..ops.varlen import PackedSequences, index_first_axis, pad_input, token_sequences, validate_attention_mask
+from ..ops.varlen import (
+    PackedSequences,
+    index_first_axis,
+    pad_input,
+    token_sequences,
+    validate_attention_mask,
+    vision_item_tokens,
+)
 from ._spec import FamilySpec
 
 logger = logging.getLogger(__name__)
@@ -328,7 +335,7 @@ def check_placeholders(
     merge = config.vision_config.spatial_merge_size
     counts = _placeholder_counts(config, flat_ids, seqs, flat_types)
     for kind, row_counts, grid in zip(("image", "video"), counts.tolist(), (image_grid_thw, video_grid_thw)):
-        per_item = [] if grid is None else [t * h * w // merge**2 for t, h, w in grid.tolist()]
+        per_item = [] if grid is None else vision_item_tokens(grid, merge=merge)
         wording = (
             f"{kind.capitalize()} features and {kind} tokens do not match, "
             f"tokens: {sum(row_counts)}, features: {sum(per_item)}"
