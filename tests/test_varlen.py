@@ -158,3 +158,21 @@ def test_vision_item_tokens_are_the_patches_over_merge_squared():
     assert varlen.vision_item_tokens(grids, merge=1) == [1024, 48]
     assert varlen.vision_item_tokens(torch.zeros(0, 3, dtype=torch.long), merge=2) == []
     assert varlen.merged_tokens(1024, 2) == 256
+
+
+def test_the_backend_setting_is_checked_in_one_place(monkeypatch):
+    """`check_backend` is what `apply_rmpad` and `resolve_backend` both raise from: the choices for an unknown name,
+    the extra to install for a forced kernel that is missing (only with ``installed``; a known name passes)."""
+    import hf_packing
+
+    for call in (lambda: varlen.check_backend("xformers"), lambda: hf_packing.apply_rmpad(attn_backend="xformers")):
+        with pytest.raises(ValueError, match=r"unknown attn_backend 'xformers'; choose one of \('auto', 'flash_attn'"):
+            call()
+    monkeypatch.setattr(_compat, "flash_attn_varlen_module", lambda: None)
+    varlen.check_backend("flash_attn")  # the name alone is fine
+    for call in (
+        lambda: varlen.check_backend("flash_attn", installed=True),
+        lambda: hf_packing.apply_rmpad("qwen2_vl", attn_backend="flash_attn"),
+    ):
+        with pytest.raises(RuntimeError, match=r"needs flash-attn \(pip install 'hf_packing\[flash\]'\)"):
+            call()

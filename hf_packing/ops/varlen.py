@@ -323,6 +323,20 @@ def flash_attn(
 _BACKEND_FNS = {"flash_attn": flash_attn, "torch_varlen": torch_varlen, "reference": reference_varlen}
 
 
+def check_backend(name: str, *, installed: bool = False) -> None:
+    """The one check of an ``attn_backend`` setting: ``"auto"`` or one of `BACKENDS`, else `ValueError` naming the
+    choices; with ``installed`` (apply time, no device yet), a forced kernel whose package is missing raises
+    `RuntimeError` naming the extra to install. Whether it runs on a given device is `resolve_backend`'s question."""
+    if name not in ("auto",) + BACKENDS:
+        raise ValueError(f"unknown attn_backend {name!r}; choose one of {('auto',) + BACKENDS}")
+    if installed and name == "flash_attn" and _compat.flash_attn_varlen_module() is None:
+        raise RuntimeError(
+            "attn_backend='flash_attn' needs flash-attn (pip install 'hf_packing[flash]'); or use 'auto'"
+        )
+    if installed and name == "torch_varlen" and _compat.torch_varlen_attn() is None:
+        raise RuntimeError("attn_backend='torch_varlen' needs torch>=2.9 (torch.nn.attention.varlen); or use 'auto'")
+
+
 def backend_available(name: str, device: torch.device) -> bool:
     """Whether backend ``name`` can run on tensors living on ``device``."""
     if name == "reference":
@@ -333,15 +347,15 @@ def backend_available(name: str, device: torch.device) -> bool:
         return _compat.torch_varlen_attn() is not None
     if name == "flash_attn":
         return _compat.flash_attn_varlen_module() is not None
-    raise ValueError(f"unknown attn_backend {name!r}; choose one of {('auto',) + BACKENDS}")
+    check_backend(name)  # an unknown name raises here
+    raise ValueError(f"backend_available takes one of {BACKENDS}; resolve {name!r} first (resolve_backend)")
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """``auto`` → the first available of flash_attn, torch_varlen, reference; a forced one must be available."""
     if name == "auto":
         return next(b for b in BACKENDS if backend_available(b, device))
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attn_backend {name!r}; choose one of {('auto',) + BACKENDS}")
+    check_backend(name)
     if not backend_available(name, device):
         need = "a CUDA device and the flash-attn package" if name == "flash_attn" else "a CUDA device and torch>=2.9"
         raise RuntimeError(

@@ -28,8 +28,8 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 
 from .. import _compat
-from ..ops.linear_attention import LINEAR_BACKENDS
-from ..ops.varlen import BACKENDS
+from ..ops.linear_attention import check_linear_backend
+from ..ops.varlen import check_backend
 from ..parallel.state import SequenceParallelState
 from ._attention import WRAPPED_IMPLEMENTATIONS, make_dispatcher, make_vision_flash_check
 from ._backbone import make_backbone_forward
@@ -81,23 +81,6 @@ def _normalise(model_type: str | Iterable[str] | None) -> list[str]:
             f"{spec.module}); upgrade transformers"
         )
     return names
-
-
-def _check_backend(attn_backend: str, linear_backend: str) -> None:
-    if linear_backend not in ("auto",) + LINEAR_BACKENDS:
-        raise ValueError(f"unknown linear_backend {linear_backend!r}; choose one of {('auto',) + LINEAR_BACKENDS}")
-    if linear_backend == "fla" and _compat.fla_linear_ops() is None:
-        raise RuntimeError(
-            "linear_backend='fla' needs flash-linear-attention (pip install 'hf_packing[linear]'); or use 'auto'"
-        )
-    if attn_backend not in ("auto",) + BACKENDS:
-        raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {('auto',) + BACKENDS}")
-    if attn_backend == "flash_attn" and _compat.flash_attn_varlen_module() is None:
-        raise RuntimeError(
-            "attn_backend='flash_attn' needs flash-attn (pip install 'hf_packing[flash]'); or use 'auto'"
-        )
-    if attn_backend == "torch_varlen" and _compat.torch_varlen_attn() is None:
-        raise RuntimeError("attn_backend='torch_varlen' needs torch>=2.9 (torch.nn.attention.varlen); or use 'auto'")
 
 
 def _registry_patches(options: RmpadOptions, families: list[FamilySpec]) -> list[Patch]:
@@ -181,7 +164,8 @@ def apply_rmpad(
     """
     _compat.check_transformers_version()
     names = _normalise(model_type)
-    _check_backend(attn_backend, linear_backend)
+    check_linear_backend(linear_backend, installed=True)
+    check_backend(attn_backend, installed=True)
     sequence_parallel = (
         sequence_parallel_size
         if isinstance(sequence_parallel_size, SequenceParallelState)
