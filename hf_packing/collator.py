@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .ops.loss import IGNORE_INDEX
-from .ops.varlen import vision_item_tokens
+from .ops.varlen import token_types, vision_item_tokens
 from .packing.source_ids import SOURCE_ID
 from .preprocess.checks import check_processor
 from .preprocess.preprocessor import VISION_KEYS
@@ -220,11 +220,9 @@ class VisionCollator:
             if sample.get("mm_token_type_ids") is not None:
                 sample_types = _as_long(sample["mm_token_type_ids"])
             else:
-                sample_types = torch.zeros_like(sample_ids)
-                if self.image_token_id is not None:
-                    sample_types[sample_ids == self.image_token_id] = 1
-                if self.video_token_id is not None:
-                    sample_types[sample_ids == self.video_token_id] = 2
+                sample_types = token_types(
+                    sample_ids, image_token_id=self.image_token_id, video_token_id=self.video_token_id
+                )
             self._check(index, sample, sample_ids, sample_types)
             sample_labels[sample_types != 0] = IGNORE_INDEX
             ids.append(sample_ids)

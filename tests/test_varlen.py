@@ -176,3 +176,14 @@ def test_the_backend_setting_is_checked_in_one_place(monkeypatch):
     ):
         with pytest.raises(RuntimeError, match=r"needs flash-attn \(pip install 'hf_packing\[flash\]'\)"):
             call()
+
+
+def test_token_types_mark_image_and_video_placeholders():
+    """0 text, 1 image, 2 video, in the caller's dtype and shape; a missing placeholder id marks nothing."""
+    ids = torch.tensor([[5, 7, 7, 5, 9, 9], [9, 5, 7, 5, 5, 5]])
+    expected = torch.tensor([[0, 1, 1, 0, 2, 2], [2, 0, 1, 0, 0, 0]])
+    types = varlen.token_types(ids, image_token_id=7, video_token_id=9, dtype=torch.int32)
+    assert types.dtype == torch.int32 and torch.equal(types, expected.int())
+    assert torch.equal(
+        varlen.token_types(ids[0], image_token_id=7, video_token_id=None), torch.tensor([0, 1, 1, 0, 0, 0])
+    )

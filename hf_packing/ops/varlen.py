@@ -79,6 +79,24 @@ def vision_item_tokens(grids: Sequence[Sequence[int]] | torch.Tensor, *, merge: 
     return [merged_tokens(t * h * w, merge) for t, h, w in rows]
 
 
+def token_types(
+    input_ids: torch.Tensor, *, image_token_id: int | None, video_token_id: int | None, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """``mm_token_type_ids`` from the ids, as Qwen-VL processors write them: 0 for text, 1 for an image placeholder,
+    2 for a video placeholder (an id of ``None``: the model has no such placeholder).
+
+    Args:
+        input_ids (`torch.Tensor`, integer, any shape): token ids.
+    Returns:
+        `torch.Tensor` of ``dtype``, shape and device of ``input_ids``.
+    """
+    types = torch.zeros_like(input_ids, dtype=dtype)
+    for code, token_id in ((1, image_token_id), (2, video_token_id)):
+        if token_id is not None:
+            types = types.masked_fill(input_ids == token_id, code)
+    return types
+
+
 def vision_seqlens(grids: list[list[int]], *, merge: int = 1, window: int = 0) -> tuple[list[int], ...]:
     """Host lengths of a vision tower's attention units for items ``grids`` (``[t, h, w]`` patches each): one
     sequence per frame (``h·w`` patches) and, with ``window``, also Qwen2.5-VL's windows as transformers'

@@ -32,6 +32,7 @@ from ..ops.varlen import (
     index_first_axis,
     pad_input,
     token_sequences,
+    token_types,
     validate_attention_mask,
     vision_item_tokens,
 )
@@ -83,13 +84,6 @@ class FlatBatch:
     def repad(self, flat: torch.Tensor) -> torch.Tensor:
         """``(T, ...)`` → ``(B, L, ...)``, zeros at padded positions."""
         return pad_input(flat, self.indices.to(flat.device), self.batch, self.length)
-
-
-def mm_token_types(input_ids: torch.Tensor, config) -> torch.Tensor:
-    """0 for text, 1 for image placeholders, 2 for video placeholders; shape and device of ``input_ids``."""
-    types = torch.zeros_like(input_ids, dtype=torch.int32)
-    types = types.masked_fill(input_ids == config.image_token_id, 1)
-    return types.masked_fill(input_ids == config.video_token_id, 2)
 
 
 def _text_positions(position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -246,7 +240,10 @@ def rope_positions(
             "batch has images/videos but no mm_token_type_ids; deriving them from input_ids. (The unpatched model "
             "would silently fall back to 1-D positions here; pass the processor's mm_token_type_ids.)"
         )
-        mm_token_type_ids = mm_token_types(input_ids, backbone.config)
+        config = backbone.config
+        mm_token_type_ids = token_types(
+            input_ids, image_token_id=config.image_token_id, video_token_id=config.video_token_id, dtype=torch.int32
+        )
     position_ids, _ = backbone.get_rope_index(
         input_ids,
         mm_token_type_ids=mm_token_type_ids,
