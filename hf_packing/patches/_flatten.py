@@ -20,12 +20,11 @@ restarting 3-row M-RoPE positions without a text row, is ambiguous and raises.
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from ..ops.varlen import (
     PackedSequences,
@@ -38,12 +37,7 @@ from ..ops.varlen import (
 )
 from ._spec import FamilySpec
 
-logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    logger.warning(message)
+logger = hf_logging.get_logger(__name__)  # transformers' logger: `warning_once`
 
 
 @dataclass
@@ -236,7 +230,7 @@ def rope_positions(
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
         return (mask.cumsum(-1) - 1).clamp(min=0).unsqueeze(0).expand(3, -1, -1)
     if mm_token_type_ids is None:
-        _warn_once(
+        logger.warning_once(
             "batch has images/videos but no mm_token_type_ids; deriving them from input_ids. (The unpatched model "
             "would silently fall back to 1-D positions here; pass the processor's mm_token_type_ids.)"
         )
