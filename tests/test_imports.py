@@ -328,3 +328,17 @@ def test_the_names_users_are_told_to_use_import_from_the_package():
     assert PackedDataset is dataset.PackedDataset and WorkCost is balance.WorkCost
     assert NoSamplesError is stats.NoSamplesError and TooManySkipsError is stats.TooManySkipsError
     assert issubclass(TooManySkipsError, NoSamplesError) and PackingTelemetry is telemetry.PackingTelemetry
+
+
+def test_the_tensor_layer_holds_no_evaluation_channel():
+    """``hf_packing.ops`` is functions of tensors: no ContextVar and no attribute set on a model output (evaluation's
+    and the telemetry's channel from the patched forward is `hf_packing.patches.recording`)."""
+    found = [
+        f"{path.name}:{node.lineno}"
+        for path in sorted((PACKAGE / "ops").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.ImportFrom) and node.module == "contextvars")
+        or (isinstance(node, ast.Import) and any(a.name == "contextvars" for a in node.names))
+        or (isinstance(node, ast.Attribute) and node.attr in ("num_supervised_tokens", "num_correct_tokens"))
+    ]
+    assert not found, found

@@ -11,7 +11,8 @@ replaced by boundary-aware ones (see `_linear`), and Qwen4-Exp its Per-Layer Emb
 
 Owns: the model side, transformers' classes as patched (`_forward`, `_backbone`, `_vision`, `_flatten`,
 `_attention`, `_linear`, `_qwen4_exp`; the call record `_call`; the family table `_spec`), the loader guard
-(`prepared`) and the applied sequence-parallel state (`sequence_parallel`). May import: `hf_packing.ops`,
+(`prepared`), the channel of the forward's token counts to evaluation and the telemetry (`recording`) and the applied
+sequence-parallel state (`sequence_parallel`). May import: `hf_packing.ops`,
 `hf_packing.parallel`, `_compat` and transformers; never the packer, the preprocessing or the Trainer side.
 
 Public to the other parts (the private modules stay this part's own): `FAMILIES`, the family table (``model_type`` →
