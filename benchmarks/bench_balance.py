@@ -37,7 +37,7 @@ TOLERANCE = 0.02
 
 def packs_of(mix: dict[str, np.ndarray], max_length: int) -> tuple[list[float], list[float]]:
     """Full and text-only cost of every pack of the mix (Qwen2.5-VL-7B weights)."""
-    from hf_packing.packing.balance import WorkCost
+    from hf_packing import WorkCost
     from hf_packing.packing.planner import plan_packs
 
     keep = mix["lengths"] <= max_length

@@ -25,6 +25,11 @@ __all__ = [
     "prepare_trainer",
     "end_distributed",
     "end_process",
+    "PackedDataset",
+    "WorkCost",
+    "NoSamplesError",
+    "TooManySkipsError",
+    "PackingTelemetry",
 ]
 
 # Lazy re-exports keep `import hf_packing` free of transformers/torch work until a name is used.
@@ -39,15 +44,23 @@ _LAZY = {
     "prepare_trainer": "hf_packing.training.trainer",
     "end_distributed": "hf_packing.training.distributed",
     "end_process": "hf_packing.training.distributed",
+    "PackedDataset": "hf_packing.packing.dataset",
+    "WorkCost": "hf_packing.packing.balance",
+    "NoSamplesError": "hf_packing.packing.stats",
+    "TooManySkipsError": "hf_packing.packing.stats",
+    "PackingTelemetry": "hf_packing.training.telemetry",
 }
 
 if TYPE_CHECKING:
     from .collator import VisionCollator
     from .config import PackingConfig
-    from .packing.dataset import pack_dataset
+    from .packing.balance import WorkCost
+    from .packing.dataset import PackedDataset, pack_dataset
     from .packing.planner import plan_packs
+    from .packing.stats import NoSamplesError, TooManySkipsError
     from .patches import apply_rmpad, revert_rmpad, supported_model_types
     from .training.distributed import end_distributed, end_process
+    from .training.telemetry import PackingTelemetry
     from .training.trainer import prepare_trainer
 
 

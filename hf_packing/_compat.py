@@ -13,6 +13,9 @@ import logging
 from functools import cache
 from types import ModuleType, SimpleNamespace
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
 logger = logging.getLogger(__name__)
 
 
@@ -23,16 +26,9 @@ def _broken(package: str, error: BaseException, instead: str) -> None:
     )
 
 
-#: transformers versions the patches are tested against (inclusive lower, exclusive upper bound).
-SUPPORTED_TRANSFORMERS = ("5.17", "5.24")
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
+#: transformers versions the patches are tested against: the one source, which pyproject.toml's dependency and
+#: docs/versions.md restate (tests/test_patches.py holds them to it)
+SUPPORTED_TRANSFORMERS = ">=5.17,<5.24"
 
 
 def check_transformers_version() -> str:
@@ -44,12 +40,11 @@ def check_transformers_version() -> str:
     import transformers
 
     version = transformers.__version__
-    low, high = (_version_tuple(v) for v in SUPPORTED_TRANSFORMERS)
-    if not (low <= _version_tuple(version)[: len(low)] and _version_tuple(version)[: len(high)] < high):
+    # a development build counts as its release (5.23.0.dev0 is 5.23.0): source installs of a supported one pass
+    if Version(Version(version).base_version) not in SpecifierSet(SUPPORTED_TRANSFORMERS):
         raise RuntimeError(
-            f"hf_packing supports transformers >={SUPPORTED_TRANSFORMERS[0]},<{SUPPORTED_TRANSFORMERS[1]}; "
-            f"found {version}. Install a supported version (pip install 'transformers>={SUPPORTED_TRANSFORMERS[0]},"
-            f"<{SUPPORTED_TRANSFORMERS[1]}') or pin hf_packing to a release that supports yours."
+            f"hf_packing supports transformers {SUPPORTED_TRANSFORMERS}; found {version}. Install a supported version "
+            f"(pip install 'transformers{SUPPORTED_TRANSFORMERS}') or pin hf_packing to a release that supports yours."
         )
     return version
 
@@ -195,7 +190,7 @@ def torch_scan():
     autograd), or ``None`` on a torch without it (scan's autograd landed in 2.7)."""
     import torch
 
-    if _version_tuple(torch.__version__)[:2] < (2, 7):
+    if Version(torch.__version__).release[:2] < (2, 7):
         return None
     try:
         from torch._higher_order_ops.scan import scan

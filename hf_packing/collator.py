@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .ops.loss import IGNORE_INDEX
+from .ops.varlen import token_types, vision_item_tokens
 from .packing.source_ids import SOURCE_ID
 from .preprocess.checks import check_processor
 from .preprocess.preprocessor import VISION_KEYS
@@ -49,8 +50,7 @@ class RopeIndex:
     """
 
     def __init__(self, config) -> None:
-        from .patches import supported_model_types
-        from .patches._spec import FAMILIES
+        from .patches import FAMILIES, supported_model_types
 
         if getattr(config, "model_type", None) not in FAMILIES:
             raise ValueError(
@@ -180,7 +180,9 @@ class VisionCollator:
             grid = sample.get(grid_key)
             placeholder = (ids == self.image_token_id) | (ids == self.video_token_id)  # of the type's kind below
             count = int(((types == code) & placeholder).sum()) if token is not None else 0
-            expected = 0 if grid is None else int(torch.as_tensor(grid).prod(-1).sum()) // self.merge**2
+            expected = (
+                0 if grid is None else sum(vision_item_tokens(torch.as_tensor(grid).reshape(-1, 3), merge=self.merge))
+            )
             if token is not None and count != expected:
                 raise ValueError(
                     f"sample {index}: {count} {kind} placeholder tokens but {grid_key} implies {expected}; "
@@ -218,11 +220,9 @@ class VisionCollator:
             if sample.get("mm_token_type_ids") is not None:
                 sample_types = _as_long(sample["mm_token_type_ids"])
             else:
-                sample_types = torch.zeros_like(sample_ids)
-                if self.image_token_id is not None:
-                    sample_types[sample_ids == self.image_token_id] = 1
-                if self.video_token_id is not None:
-                    sample_types[sample_ids == self.video_token_id] = 2
+                sample_types = token_types(
+                    sample_ids, image_token_id=self.image_token_id, video_token_id=self.video_token_id
+                )
             self._check(index, sample, sample_ids, sample_types)
             sample_labels[sample_types != 0] = IGNORE_INDEX
             ids.append(sample_ids)
@@ -237,7 +237,7 @@ class VisionCollator:
         )
         batch.update(self._vision(samples))
         if self.vision_config is not None and batch.get("vision_grids"):
-            from .patches._vision import precomputed_vision_inputs  # transformers' helpers: only with a model config
+            from .patches import precomputed_vision_inputs  # transformers' helpers: only with a model config
 
             n_images = len(batch["image_grid_thw"]) if "image_grid_thw" in batch else 0
             precomputed = precomputed_vision_inputs(

@@ -533,9 +533,7 @@ def engine_report(trainer: Trainer) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> Trainer:
     from transformers import AutoConfig, AutoProcessor
 
-    from hf_packing import VisionCollator, end_distributed, prepare_trainer
-    from hf_packing.packing.balance import WorkCost
-    from hf_packing.packing.dataset import pack_dataset
+    from hf_packing import VisionCollator, WorkCost, end_distributed, pack_dataset, prepare_trainer
 
     model_args, data_args, packing, training_args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)

@@ -227,3 +227,21 @@ def test_stats_cli_counts_video_rows_as_skips(tmp_path, capsys):
     assert line.split()[2] == "1"  # the two usable rows fit one pack
     assert line.endswith("missing_file: 1, corrupt_video: 1")
     assert table.splitlines()[-2].startswith("videos: 0 in usable rows, 0 video tokens")
+
+
+def test_frames_without_fps_warn_once_through_transformers_logger(caplog):
+    """transformers' ``logger.warning_once`` (not a home-made flag): the first row of frames without an fps warns,
+    the next ones do not; a row with an fps never does."""
+    import logging
+
+    import transformers.utils.logging  # noqa: F401  (it adds Logger.warning_once)
+
+    from hf_packing.preprocess.formats import row_fps
+
+    logging.Logger.warning_once.cache_clear()  # earlier tests may have warned in this process
+    with caplog.at_level(logging.WARNING, logger="hf_packing.preprocess.formats"):
+        assert row_fps({"fps": 2}, 1) == [2.0]
+        assert not caplog.records
+        for _ in range(3):
+            assert row_fps({}, 1) == [None]
+    assert [r.getMessage()[:28] for r in caplog.records] == ["video frames without fps: th"]

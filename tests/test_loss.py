@@ -12,7 +12,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hf_packing.ops.loss import (
     liger_can_read_weight,
     linear_cross_entropy_sum,
-    recording_token_counts,
     reduce_loss,
     shift_labels_per_sequence,
 )
@@ -58,8 +57,9 @@ class _OpCounter(TorchDispatchMode):
 
 
 def test_argmax_only_when_something_reads_the_hits():
-    """Argmax hits are computed only inside `recording_token_counts` (evaluation, per-source telemetry) or when asked:
-    a training loss alone runs no argmax (counted), and the hits, when read, are exact."""
+    """Argmax hits are computed only when asked (``count_correct``, which the patched forward sets inside
+    `hf_packing.patches.recording.recording_token_counts`): a training loss alone runs no argmax (counted), and the
+    hits, when read, are exact."""
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 50, bias=False)
     hidden = torch.randn(37, 16, requires_grad=True)
@@ -70,8 +70,8 @@ def test_argmax_only_when_something_reads_the_hits():
         training = linear_cross_entropy_sum(hidden, head, targets, chunk_size=5)
         training.loss_sum.backward()
     assert counter.ops["aten::argmax"] == 0 and training.num_correct is None
-    with recording_token_counts(), _OpCounter() as counter:
-        recorded = linear_cross_entropy_sum(hidden, head, targets, chunk_size=5)
+    with _OpCounter() as counter:
+        recorded = linear_cross_entropy_sum(hidden, head, targets, chunk_size=5, count_correct=True)
         recorded.loss_sum.backward()
     assert counter.ops["aten::argmax"] == 5  # once per chunk of 5 of the 24 supervised rows, not again in backward
     assert recorded.num_correct.item() == exact

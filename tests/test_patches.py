@@ -120,6 +120,33 @@ def test_clear_errors_at_apply_time(monkeypatch):
         hf_packing.apply_rmpad()
 
 
+def test_the_supported_transformers_range_has_one_source(monkeypatch):
+    """`_compat.SUPPORTED_TRANSFORMERS` is what pyproject.toml requires and docs/versions.md states; the check
+    compares with `packaging` (a development build counts as its release)."""
+    import re
+    from pathlib import Path
+
+    import transformers
+    from packaging.specifiers import SpecifierSet
+
+    root = Path(__file__).resolve().parents[1]
+    pyproject = (root / "pyproject.toml").read_text()
+    required = re.findall(r'^    "transformers([^"]*)",$', pyproject, flags=re.M)  # tomllib is 3.11+
+    assert required == [hf_packing._compat.SUPPORTED_TRANSFORMERS]
+    row = [
+        line for line in (root / "docs" / "versions.md").read_text().splitlines() if line.startswith("| transformers |")
+    ]
+    stated = re.findall(r"([<>=!]=?) ?(\d[\w.]*)", row[0].split("|")[2])
+    assert SpecifierSet(",".join(op + v for op, v in stated)) == SpecifierSet(hf_packing._compat.SUPPORTED_TRANSFORMERS)
+    for version, supported in [("5.17.0", True), ("5.23.0.dev0", True), ("5.23.4", True), ("5.24.0.dev0", False)]:
+        monkeypatch.setattr(transformers, "__version__", version)
+        if supported:
+            assert hf_packing._compat.check_transformers_version() == version
+        else:
+            with pytest.raises(RuntimeError, match=f"found {version}"):
+                hf_packing._compat.check_transformers_version()
+
+
 def test_import_is_side_effect_free():
     code = "import hf_packing, sys; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

@@ -430,3 +430,26 @@ def test_resume_logs_one_line_instead_of_the_key_lists(tmp_path, caplog):
     assert "missing keys" not in prepared and "unexpected keys" not in prepared
     assert prepared.count("reloaded exactly") == 1
     assert model.config.model_type == tiny_config("qwen2_5_vl").model_type
+
+
+def test_the_loader_guard_knows_the_packs_by_their_mark():
+    """The guard sits below the packer, so it tests `PACKS_ATTR`, not the class: it finds the packs directly and in
+    accelerate's shard, and a dataset without the mark (a map-style list, an IterableDataset) is not taken for them."""
+    from accelerate.data_loader import IterableDatasetShard
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from hf_packing.packing.dataset import PackedDataset
+    from hf_packing.patches import prepared
+
+    assert getattr(PackedDataset, prepared.PACKS_ATTR) is True
+    packs = _packs()
+    assert prepared._packs(DataLoader(packs, batch_size=None), IterableDatasetShard) is packs
+    shard = IterableDatasetShard(packs, batch_size=1, num_processes=2)
+    assert prepared._packs(DataLoader(shard, batch_size=None), IterableDatasetShard) is packs
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    assert prepared._packs(DataLoader(Stream(), batch_size=None), IterableDatasetShard) is None
+    assert prepared._packs(DataLoader([1, 2, 3]), IterableDatasetShard) is None

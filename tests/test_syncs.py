@@ -450,7 +450,7 @@ def test_training_step_computes_no_argmax_unless_read():
     """A training step whose token accuracy nobody reads (no evaluation, no per-source telemetry) runs no argmax;
     inside `recording_token_counts` (what evaluation and the telemetry open) the hits are counted, and equal the
     argmax of the step's own logits."""
-    from hf_packing.ops.loss import recording_token_counts
+    from hf_packing.patches.recording import recording_token_counts
 
     processor = load_processor("qwen2_vl")
     model = build_tiny_model("qwen2_vl", processor_dir=FIXTURES / "qwen2_vl").train()

@@ -248,3 +248,15 @@ def test_import_is_side_effect_free() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_the_tiny_families_follow_the_spec_table():
+    """`MODEL_TYPES` + `GLM_TYPES` are the patches' family table, in its order (the testing part sits below the
+    patches, so it lists them itself and this test ties the two); the GLM types are the rows whose towers take video
+    frames as images. A family added to the table without a tiny model fails here."""
+    from hf_packing.patches import FAMILIES
+    from hf_packing.testing.tiny import GLM_TYPES
+
+    assert [n for n in FAMILIES if n not in GLM_TYPES] == list(MODEL_TYPES)
+    assert [n for n in FAMILIES if n in GLM_TYPES] == list(GLM_TYPES)
+    assert list(GLM_TYPES) == [n for n, spec in FAMILIES.items() if spec.video_frames_as_images]

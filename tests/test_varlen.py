@@ -147,3 +147,43 @@ def test_masked_reference_equals_per_sequence_reference(causal, window):
     torch.testing.assert_close(masked_reference_varlen(q, k, v, seqs, **kwargs), ref)
     merged = masked_reference_varlen(q, k, v, PackedSequences.from_seqlens([8, 1]), **kwargs)
     assert not torch.allclose(merged, ref, atol=1e-3)
+
+
+def test_vision_item_tokens_are_the_patches_over_merge_squared():
+    """A 448×448 image at patch 14 is a 32×32 grid: 1024 patches, 256 tokens after the 2×2 merge (Qwen2-VL's
+    processor puts 256 image tokens for it); a 2-frame 4×6 video is 48 patches, 12 tokens. Lists and tensors agree."""
+    grids = [[1, 32, 32], [2, 4, 6]]
+    assert varlen.vision_item_tokens(grids, merge=2) == [256, 12]
+    assert varlen.vision_item_tokens(torch.tensor(grids), merge=2) == [256, 12]
+    assert varlen.vision_item_tokens(grids, merge=1) == [1024, 48]
+    assert varlen.vision_item_tokens(torch.zeros(0, 3, dtype=torch.long), merge=2) == []
+    assert varlen.merged_tokens(1024, 2) == 256
+
+
+def test_the_backend_setting_is_checked_in_one_place(monkeypatch):
+    """`check_backend` is what `apply_rmpad` and `resolve_backend` both raise from: the choices for an unknown name,
+    the extra to install for a forced kernel that is missing (only with ``installed``; a known name passes)."""
+    import hf_packing
+
+    for call in (lambda: varlen.check_backend("xformers"), lambda: hf_packing.apply_rmpad(attn_backend="xformers")):
+        with pytest.raises(ValueError, match=r"unknown attn_backend 'xformers'; choose one of \('auto', 'flash_attn'"):
+            call()
+    monkeypatch.setattr(_compat, "flash_attn_varlen_module", lambda: None)
+    varlen.check_backend("flash_attn")  # the name alone is fine
+    for call in (
+        lambda: varlen.check_backend("flash_attn", installed=True),
+        lambda: hf_packing.apply_rmpad("qwen2_vl", attn_backend="flash_attn"),
+    ):
+        with pytest.raises(RuntimeError, match=r"needs flash-attn \(pip install 'hf_packing\[flash\]'\)"):
+            call()
+
+
+def test_token_types_mark_image_and_video_placeholders():
+    """0 text, 1 image, 2 video, in the caller's dtype and shape; a missing placeholder id marks nothing."""
+    ids = torch.tensor([[5, 7, 7, 5, 9, 9], [9, 5, 7, 5, 5, 5]])
+    expected = torch.tensor([[0, 1, 1, 0, 2, 2], [2, 0, 1, 0, 0, 0]])
+    types = varlen.token_types(ids, image_token_id=7, video_token_id=9, dtype=torch.int32)
+    assert types.dtype == torch.int32 and torch.equal(types, expected.int())
+    assert torch.equal(
+        varlen.token_types(ids[0], image_token_id=7, video_token_id=None), torch.tensor([0, 1, 1, 0, 0, 0])
+    )

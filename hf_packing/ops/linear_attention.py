@@ -42,13 +42,26 @@ LINEAR_BACKENDS = ("fla", "reference")
 _SCAN = _compat.torch_scan()
 
 
+def check_linear_backend(name: str, *, installed: bool = False) -> None:
+    """The one check of a ``linear_backend`` setting: ``"auto"`` or one of `LINEAR_BACKENDS`, else `ValueError`
+    naming the choices; with ``installed`` (apply time), ``"fla"`` without flash-linear-attention raises
+    `RuntimeError` naming the extra."""
+    if name not in ("auto",) + LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear_backend {name!r}; choose one of {('auto',) + LINEAR_BACKENDS}")
+    if installed and name == "fla" and _compat.fla_linear_ops() is None:
+        raise RuntimeError(
+            "linear_backend='fla' needs flash-linear-attention (pip install 'hf_packing[linear]'); or use 'auto'"
+        )
+
+
 def linear_backend_available(name: str, device: torch.device) -> bool:
     """Whether linear-attention backend ``name`` can run on tensors living on ``device``."""
     if name == "reference":
         return True
     if name == "fla":
         return device.type == "cuda" and _compat.fla_linear_ops() is not None
-    raise ValueError(f"unknown linear_backend {name!r}; choose one of {('auto',) + LINEAR_BACKENDS}")
+    check_linear_backend(name)  # an unknown name raises here
+    raise ValueError(f"linear_backend_available takes one of {LINEAR_BACKENDS}; resolve {name!r} first")
 
 
 def select_linear_backend(name: str, device: torch.device, half: bool) -> tuple[str, str | None]:

@@ -10,22 +10,18 @@ Logits are computed only for positions that have a target, in chunks of ``chunk_
 recomputed in backward (activation checkpointing). At 16k tokens and a 151k vocabulary that is the
 difference between ~10 GB of fp32 logits and ~1 GB for one chunk.
 
-Argmax hits (token accuracy) are counted only when something reads them: inside `recording_token_counts` (evaluation,
-per-source telemetry) or when asked (``count_correct=True``). A training step without them computes no argmax: one
-pass over each chunk's ``rows × vocab`` logits less.
+Argmax hits (token accuracy) are counted only when asked (``count_correct=True``: the patched forward asks when
+evaluation or the per-source telemetry reads them, `hf_packing.patches.recording`). A training step without them
+computes no argmax: one pass over each chunk's ``rows × vocab`` logits less.
 
-Per source (`counting_sources`, `hf_packing.packing.source_ids`): each chunk also adds its tokens' CE, count and argmax
-hits to a ``(3, num_sources)`` buffer with ``index_add_`` (fixed shapes: no host sync, no logits beyond the chunk's
-own).
+Per source (``sources``, `hf_packing.packing.source_ids`): each chunk also adds its tokens' CE, count and argmax hits
+to a ``(3, num_sources)`` buffer with ``index_add_`` (fixed shapes: no host sync, no logits beyond the chunk's own).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -126,62 +122,6 @@ class CrossEntropySum:
     per_source: torch.Tensor | None = None
 
 
-#: The token counts of every patched forward inside `recording_token_counts` (None outside: nothing is kept).
-_RECORDED: ContextVar[list[CrossEntropySum] | None] = ContextVar("hf_packing_token_counts", default=None)
-
-
-@contextmanager
-def recording_token_counts() -> Iterator[list[CrossEntropySum]]:
-    """Collect the `CrossEntropySum` of each patched forward run inside the block (this thread / context only).
-
-    Evaluation reads the counts here, not from the output object: wrappers rebuild the output and drop attributes
-    that are not fields (accelerate's ``convert_outputs_to_fp32`` under ``bf16=True`` / ``mixed_precision: bf16``).
-    """
-    recorded: list[CrossEntropySum] = []
-    token = _RECORDED.set(recorded)
-    try:
-        yield recorded
-    finally:
-        _RECORDED.reset(token)
-
-
-#: The number of sources patched forwards sum their loss over (`counting_sources`); 0: none.
-_NUM_SOURCES: ContextVar[int] = ContextVar("hf_packing_num_sources", default=0)
-
-
-@contextmanager
-def counting_sources(num_sources: int) -> Iterator[None]:
-    """Inside the block, a patched forward given ``source_ids`` also sums its loss per source into
-    `CrossEntropySum.per_source` (``(3, num_sources)``). Outside it no per-source work is done."""
-    token = _NUM_SOURCES.set(int(num_sources))
-    try:
-        yield
-    finally:
-        _NUM_SOURCES.reset(token)
-
-
-def counted_sources() -> int:
-    """The ``num_sources`` of the innermost active `counting_sources` (0 outside any)."""
-    return _NUM_SOURCES.get()
-
-
-def counting_correct() -> bool:
-    """Whether something reads argmax hits now: an active `recording_token_counts` (evaluation, per-source telemetry).
-    Training outside it computes no argmax."""
-    return _RECORDED.get() is not None
-
-
-def attach_token_counts(output: Any, ce: CrossEntropySum | None) -> None:
-    """Give ``output`` the attributes ``num_supervised_tokens`` / ``num_correct_tokens`` (plain attributes, not
-    fields: ``to_tuple()`` stays the unpatched one) and record ``ce`` for an active `recording_token_counts`."""
-    if ce is None:
-        return
-    output.num_supervised_tokens, output.num_correct_tokens = ce.num_supervised, ce.num_correct
-    recorded = _RECORDED.get()
-    if recorded is not None:
-        recorded.append(ce)
-
-
 def liger_can_read_weight(head: torch.nn.Module) -> bool:
     """Whether Liger's fused kernel may read ``head.weight`` directly, outside the head's own forward.
 
@@ -212,7 +152,7 @@ def linear_cross_entropy_sum(
     num_supervised: int | None = None,
     sources: torch.Tensor | None = None,
     num_sources: int = 0,
-    count_correct: bool | None = None,
+    count_correct: bool = False,
 ) -> CrossEntropySum:
     """Σ cross-entropy of ``head(hidden)`` against ``targets`` over supervised positions.
 
@@ -231,9 +171,9 @@ def linear_cross_entropy_sum(
             (`token_sources`); then `CrossEntropySum.per_source` is filled, chunk by chunk, with ``index_add_``
             into a fixed ``(3, num_sources)`` buffer: no host sync, no extra logits. Ignored under Liger.
         num_sources (`int`): the per-source buffer's width.
-        count_correct (`bool`, *optional*): count the positions whose argmax is the target
-            (`CrossEntropySum.num_correct`); default: only inside `recording_token_counts` (`counting_correct`),
-            where evaluation and the telemetry read them. Per-source sums always count their hits.
+        count_correct (`bool`): count the positions whose argmax is the target (`CrossEntropySum.num_correct`);
+            the patched forward asks when something reads them (`hf_packing.patches.recording.counting_correct`).
+            Per-source sums always count their hits.
 
     With no supervised position the sum is ``0 * head(hidden[:1]).sum()``: zero, but every head and backbone
     parameter stays in the graph, so DDP (``find_unused_parameters=False``) and ZeRO see the same backward
@@ -254,7 +194,7 @@ def linear_cross_entropy_sum(
         keep = torch.nonzero_static(supervised, size=num_supervised).flatten()
     n = keep.numel()
     sources = sources if sources is not None and num_sources > 0 else None
-    count_correct = (counting_correct() if count_correct is None else count_correct) or sources is not None
+    count_correct = count_correct or sources is not None
     if n == 0:
         zero = head(hidden[:1]).float().sum() * 0.0
         per = None if sources is None else torch.zeros(3, num_sources, device=zero.device)
@@ -298,7 +238,7 @@ def cross_entropy_sum(
     targets: torch.Tensor,
     sources: torch.Tensor | None = None,
     num_sources: int = 0,
-    count_correct: bool | None = None,
+    count_correct: bool = False,
 ) -> CrossEntropySum:
     """`linear_cross_entropy_sum` for logits that are already there: ``(T, V)`` logits, ``(T,)`` targets."""
     return linear_cross_entropy_sum(

@@ -21,6 +21,7 @@ k/v ``(T, H_kv, D)``:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,43 @@ class PackedSequences:
         if not self.seqlens:
             self.seqlens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
         return self.seqlens
+
+
+def merged_tokens(patches: int, merge: int) -> int:
+    """The text-row tokens of ``patches`` vision patches: the tower merges each ``merge × merge`` block of patches
+    into one token (``spatial_merge_size``, 2 in every Qwen-VL), so ``patches / merge²``. The one place this fact
+    lives: the preprocessing, the collator's checks, the patches and sequence parallelism all call it."""
+    return patches // merge**2
+
+
+def vision_item_tokens(grids: Sequence[Sequence[int]] | torch.Tensor, *, merge: int) -> list[int]:
+    """Each vision item's tokens in the text row, `merged_tokens` of its ``t·h·w`` patches.
+
+    Args:
+        grids (`list` of ``[t, h, w]``, or `torch.Tensor` of shape `(N, 3)`, integer): the items' patch grids
+            (``image_grid_thw`` / ``video_grid_thw``); a tensor is read on the host (one sync if on a device).
+        merge (`int`): the spatial merge size.
+    """
+    rows = grids.tolist() if isinstance(grids, torch.Tensor) else grids
+    return [merged_tokens(t * h * w, merge) for t, h, w in rows]
+
+
+def token_types(
+    input_ids: torch.Tensor, *, image_token_id: int | None, video_token_id: int | None, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """``mm_token_type_ids`` from the ids, as Qwen-VL processors write them: 0 for text, 1 for an image placeholder,
+    2 for a video placeholder (an id of ``None``: the model has no such placeholder).
+
+    Args:
+        input_ids (`torch.Tensor`, integer, any shape): token ids.
+    Returns:
+        `torch.Tensor` of ``dtype``, shape and device of ``input_ids``.
+    """
+    types = torch.zeros_like(input_ids, dtype=dtype)
+    for code, token_id in ((1, image_token_id), (2, video_token_id)):
+        if token_id is not None:
+            types = types.masked_fill(input_ids == token_id, code)
+    return types
 
 
 def vision_seqlens(grids: list[list[int]], *, merge: int = 1, window: int = 0) -> tuple[list[int], ...]:
@@ -303,6 +341,20 @@ def flash_attn(
 _BACKEND_FNS = {"flash_attn": flash_attn, "torch_varlen": torch_varlen, "reference": reference_varlen}
 
 
+def check_backend(name: str, *, installed: bool = False) -> None:
+    """The one check of an ``attn_backend`` setting: ``"auto"`` or one of `BACKENDS`, else `ValueError` naming the
+    choices; with ``installed`` (apply time, no device yet), a forced kernel whose package is missing raises
+    `RuntimeError` naming the extra to install. Whether it runs on a given device is `resolve_backend`'s question."""
+    if name not in ("auto",) + BACKENDS:
+        raise ValueError(f"unknown attn_backend {name!r}; choose one of {('auto',) + BACKENDS}")
+    if installed and name == "flash_attn" and _compat.flash_attn_varlen_module() is None:
+        raise RuntimeError(
+            "attn_backend='flash_attn' needs flash-attn (pip install 'hf_packing[flash]'); or use 'auto'"
+        )
+    if installed and name == "torch_varlen" and _compat.torch_varlen_attn() is None:
+        raise RuntimeError("attn_backend='torch_varlen' needs torch>=2.9 (torch.nn.attention.varlen); or use 'auto'")
+
+
 def backend_available(name: str, device: torch.device) -> bool:
     """Whether backend ``name`` can run on tensors living on ``device``."""
     if name == "reference":
@@ -313,15 +365,15 @@ def backend_available(name: str, device: torch.device) -> bool:
         return _compat.torch_varlen_attn() is not None
     if name == "flash_attn":
         return _compat.flash_attn_varlen_module() is not None
-    raise ValueError(f"unknown attn_backend {name!r}; choose one of {('auto',) + BACKENDS}")
+    check_backend(name)  # an unknown name raises here
+    raise ValueError(f"backend_available takes one of {BACKENDS}; resolve {name!r} first (resolve_backend)")
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """``auto`` → the first available of flash_attn, torch_varlen, reference; a forced one must be available."""
     if name == "auto":
         return next(b for b in BACKENDS if backend_available(b, device))
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attn_backend {name!r}; choose one of {('auto',) + BACKENDS}")
+    check_backend(name)
     if not backend_available(name, device):
         need = "a CUDA device and the flash-attn package" if name == "flash_attn" else "a CUDA device and torch>=2.9"
         raise RuntimeError(

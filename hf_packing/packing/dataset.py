@@ -57,7 +57,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -109,6 +109,9 @@ class PackedDataset(torch.utils.data.IterableDataset):
     Each item is a pack: a `list` of sample dicts (see [`~hf_packing.preprocess.preprocessor.Preprocessor.process`]).
     Works with `torch.utils.data.DataLoader` (any `num_workers`) and torchdata's `StatefulDataLoader`.
     """
+
+    #: the mark `hf_packing.patches.prepared.PACKS_ATTR` by which the loader guard (below the packer) knows the packs
+    hf_packing_packs: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ops.varlen import PackedSequences
+from ..ops.varlen import PackedSequences, vision_item_tokens
 from .comm import SP_KWARG, LinearHeads, SPGroup, all_gather_rows, all_reduce_sum, key_replication
 
 # ----------------------------------------------------------------------------------------------- sharding
@@ -162,7 +162,8 @@ def encode_vision_split(
     units = [(i, f, h, w) for i, (t, h, w) in enumerate(grids) for f in range(t)]
     starts = torch.tensor([0] + [t * h * w for t, h, w in grids]).cumsum(0).tolist()
     mine = split_vision_units(grids, sp.size)
-    per_rank = [sum(units[u][2] * units[u][3] // merge**2 for u in r) for r in mine]
+    unit_tokens = vision_item_tokens([[1, h, w] for _, _, h, w in units], merge=merge)  # one frame each
+    per_rank = [sum(unit_tokens[u] for u in r) for r in mine]
     dummy_term = None
     if mine[sp.rank]:
         rows = [
@@ -181,12 +182,10 @@ def encode_vision_split(
     offsets, at = {}, 0
     for r in mine:
         for u in r:
-            offsets[u], at = at, at + units[u][2] * units[u][3] // merge**2
-    order = torch.cat(
-        [torch.arange(offsets[u], offsets[u] + units[u][2] * units[u][3] // merge**2) for u in range(len(units))]
-    )
+            offsets[u], at = at, at + unit_tokens[u]
+    order = torch.cat([torch.arange(offsets[u], offsets[u] + unit_tokens[u]) for u in range(len(units))])
     whole = gathered.index_select(0, order.to(gathered.device)).split(width, dim=1)
-    sizes = [t * h * w // merge**2 for t, h, w in grids]
+    sizes = vision_item_tokens(grids, merge=merge)
     split = out.get("deepstack_features") and not isinstance(out.deepstack_features[0], torch.Tensor)
     result = type(out)()
     for key, value in out.items():  # key by key: some towers add keys that are not fields (router_logits)

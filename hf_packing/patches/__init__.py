@@ -11,8 +11,13 @@ replaced by boundary-aware ones (see `_linear`), and Qwen4-Exp its Per-Layer Emb
 
 Owns: the model side, transformers' classes as patched (`_forward`, `_backbone`, `_vision`, `_flatten`,
 `_attention`, `_linear`, `_qwen4_exp`; the call record `_call`; the family table `_spec`), the loader guard
-(`prepared`) and the applied sequence-parallel state (`sequence_parallel`). May import: `hf_packing.ops`,
+(`prepared`), the channel of the forward's token counts to evaluation and the telemetry (`recording`) and the applied
+sequence-parallel state (`sequence_parallel`). May import: `hf_packing.ops`,
 `hf_packing.parallel`, `_compat` and transformers; never the packer, the preprocessing or the Trainer side.
+
+Public to the other parts (the private modules stay this part's own): `FAMILIES`, the family table (``model_type`` →
+`FamilySpec`: transformers' module and classes, the M-RoPE keyword arguments); `precomputed_vision_inputs`, the vision
+tower's host-side inputs, which the collator computes in its DataLoader workers.
 
 Files:
     _spec.py              what differs between families: class names, rope kwargs, MoE, hybrid linear attention
@@ -25,6 +30,7 @@ Files:
     _linear.py            Qwen3.5: the linear-attention kernel functions get the boundaries (fla → reference)
     _qwen4_exp.py         Qwen4-Exp: PLE n-grams and conv restart per sample, QSA selection per sample, no dense masks
     _patcher.py           reversible patch records, registry entries included (revert restores the same objects)
+    recording.py          the forward's token counts to evaluation and the telemetry (ContextVars)
     prepared.py           forgetting prepare_trainer is loud: the packed forward checks accelerate's active loader
     sequence_parallel.py  the applied SP state: current_state / current_size, init_sequence_parallel, sp_group
 """
@@ -38,8 +44,8 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 
 from .. import _compat
-from ..ops.linear_attention import LINEAR_BACKENDS
-from ..ops.varlen import BACKENDS
+from ..ops.linear_attention import check_linear_backend
+from ..ops.varlen import check_backend
 from ..parallel.state import SequenceParallelState
 from ._attention import WRAPPED_IMPLEMENTATIONS, make_dispatcher, make_vision_flash_check
 from ._backbone import make_backbone_forward
@@ -48,14 +54,18 @@ from ._linear import linear_patches
 from ._patcher import Patch, PatchSet, RegistryPatch
 from ._qwen4_exp import qwen4_exp_patches
 from ._spec import FAMILIES, FamilySpec, frames_as_images
+from ._vision import precomputed_vision_inputs
 from .prepared import training
 
 __all__ = [
+    "FAMILIES",
+    "FamilySpec",
     "apply_rmpad",
     "check_attn_implementation",
     "frames_as_images",
     "is_applied",
     "is_patched",
+    "precomputed_vision_inputs",
     "revert_rmpad",
     "sequence_parallel_state",
     "supported_model_types",
@@ -87,23 +97,6 @@ def _normalise(model_type: str | Iterable[str] | None) -> list[str]:
             f"{spec.module}); upgrade transformers"
         )
     return names
-
-
-def _check_backend(attn_backend: str, linear_backend: str) -> None:
-    if linear_backend not in ("auto",) + LINEAR_BACKENDS:
-        raise ValueError(f"unknown linear_backend {linear_backend!r}; choose one of {('auto',) + LINEAR_BACKENDS}")
-    if linear_backend == "fla" and _compat.fla_linear_ops() is None:
-        raise RuntimeError(
-            "linear_backend='fla' needs flash-linear-attention (pip install 'hf_packing[linear]'); or use 'auto'"
-        )
-    if attn_backend not in ("auto",) + BACKENDS:
-        raise ValueError(f"unknown attn_backend {attn_backend!r}; choose one of {('auto',) + BACKENDS}")
-    if attn_backend == "flash_attn" and _compat.flash_attn_varlen_module() is None:
-        raise RuntimeError(
-            "attn_backend='flash_attn' needs flash-attn (pip install 'hf_packing[flash]'); or use 'auto'"
-        )
-    if attn_backend == "torch_varlen" and _compat.torch_varlen_attn() is None:
-        raise RuntimeError("attn_backend='torch_varlen' needs torch>=2.9 (torch.nn.attention.varlen); or use 'auto'")
 
 
 def _registry_patches(options: RmpadOptions, families: list[FamilySpec]) -> list[Patch]:
@@ -187,7 +180,8 @@ def apply_rmpad(
     """
     _compat.check_transformers_version()
     names = _normalise(model_type)
-    _check_backend(attn_backend, linear_backend)
+    check_linear_backend(linear_backend, installed=True)
+    check_backend(attn_backend, installed=True)
     sequence_parallel = (
         sequence_parallel_size
         if isinstance(sequence_parallel_size, SequenceParallelState)

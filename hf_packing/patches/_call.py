@@ -31,7 +31,7 @@ PACKING_PARAMETERS = (
     inspect.Parameter("vision_grids", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=list | None),
     # VisionCollator's vision_inputs: what the tower's helpers compute from the grids, computed in the worker
     inspect.Parameter("vision_inputs", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=dict | None),
-    # VisionCollator's per-sequence source ids: the loss sums per source inside `loss.counting_sources`
+    # VisionCollator's per-sequence source ids: the loss sums per source inside `recording.counting_sources`
     inspect.Parameter("source_ids", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=torch.Tensor | None),
 )
 PACKING_NAMES = frozenset(p.name for p in PACKING_PARAMETERS)

@@ -20,22 +20,24 @@ restarting 3-row M-RoPE positions without a text row, is ambiguous and raises.
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.utils import logging as hf_logging
 
-from ..ops.varlen import PackedSequences, index_first_axis, pad_input, token_sequences, validate_attention_mask
+from ..ops.varlen import (
+    PackedSequences,
+    index_first_axis,
+    pad_input,
+    token_sequences,
+    token_types,
+    validate_attention_mask,
+    vision_item_tokens,
+)
 from ._spec import FamilySpec
 
-logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    logger.warning(message)
+logger = hf_logging.get_logger(__name__)  # transformers' logger: `warning_once`
 
 
 @dataclass
@@ -76,13 +78,6 @@ class FlatBatch:
     def repad(self, flat: torch.Tensor) -> torch.Tensor:
         """``(T, ...)`` → ``(B, L, ...)``, zeros at padded positions."""
         return pad_input(flat, self.indices.to(flat.device), self.batch, self.length)
-
-
-def mm_token_types(input_ids: torch.Tensor, config) -> torch.Tensor:
-    """0 for text, 1 for image placeholders, 2 for video placeholders; shape and device of ``input_ids``."""
-    types = torch.zeros_like(input_ids, dtype=torch.int32)
-    types = types.masked_fill(input_ids == config.image_token_id, 1)
-    return types.masked_fill(input_ids == config.video_token_id, 2)
 
 
 def _text_positions(position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -235,11 +230,14 @@ def rope_positions(
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
         return (mask.cumsum(-1) - 1).clamp(min=0).unsqueeze(0).expand(3, -1, -1)
     if mm_token_type_ids is None:
-        _warn_once(
+        logger.warning_once(
             "batch has images/videos but no mm_token_type_ids; deriving them from input_ids. (The unpatched model "
             "would silently fall back to 1-D positions here; pass the processor's mm_token_type_ids.)"
         )
-        mm_token_type_ids = mm_token_types(input_ids, backbone.config)
+        config = backbone.config
+        mm_token_type_ids = token_types(
+            input_ids, image_token_id=config.image_token_id, video_token_id=config.video_token_id, dtype=torch.int32
+        )
     position_ids, _ = backbone.get_rope_index(
         input_ids,
         mm_token_type_ids=mm_token_type_ids,
@@ -328,7 +326,7 @@ def check_placeholders(
     merge = config.vision_config.spatial_merge_size
     counts = _placeholder_counts(config, flat_ids, seqs, flat_types)
     for kind, row_counts, grid in zip(("image", "video"), counts.tolist(), (image_grid_thw, video_grid_thw)):
-        per_item = [] if grid is None else [t * h * w // merge**2 for t, h, w in grid.tolist()]
+        per_item = [] if grid is None else vision_item_tokens(grid, merge=merge)
         wording = (
             f"{kind.capitalize()} features and {kind} tokens do not match, "
             f"tokens: {sum(row_counts)}, features: {sum(per_item)}"

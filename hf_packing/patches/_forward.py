@@ -40,6 +40,7 @@ from ..ops.loss import (
 from ..parallel import shard as shard_
 from ..parallel.comm import SPGroup, gather_sequence
 from ..parallel.state import SequenceParallelState
+from . import recording
 from ._attention import PACKED_KWARG, WRAPPED_IMPLEMENTATIONS, host_vision_seqlens, inside_packed_forward
 from ._call import PACKING_NAMES, PACKING_PARAMETERS, ForwardCall, ForwardSignature, parse_call
 from ._flatten import FlatBatch, flatten_batch
@@ -333,7 +334,7 @@ def _loss_and_logits(
     Under sequence parallelism ``hidden`` is this rank's slice: the targets are shifted on the whole pack, then
     sliced; the CE is this slice's; logits (outputs only, no gradient) come from the gathered hidden states.
     ``call.num_supervised_tokens`` (the collator's count for ``labels``) spares the loss its host sync.
-    ``call.source_ids`` (one per sequence) fill `CrossEntropySum.per_source` inside `loss.counting_sources` (not
+    ``call.source_ids`` (one per sequence) fill `CrossEntropySum.per_source` inside `recording.counting_sources` (not
     under sequence parallelism).
     """
     labels, shift_labels, source_ids = call.labels, call.shift_labels, call.source_ids
@@ -347,14 +348,19 @@ def _loss_and_logits(
         if targets is not None:
             local = shard_.local_targets(targets, sp)
             ce = linear_cross_entropy_sum(
-                hidden, model.lm_head, local, chunk_size=options.loss_chunk_size, use_liger=options.use_liger
+                hidden,
+                model.lm_head,
+                local,
+                chunk_size=options.loss_chunk_size,
+                use_liger=options.use_liger,
+                count_correct=recording.counting_correct(),
             )
         if not want_logits:
             return ce, None
         with torch.no_grad():
             logits = model.lm_head(gather_sequence(hidden, sp, flat.indices.numel()))
         return ce, logits
-    num_sources = loss_.counted_sources() if source_ids is not None and targets is not None else 0
+    num_sources = recording.counted_sources() if source_ids is not None and targets is not None else 0
     sources = None
     if num_sources and source_ids is not None and targets is not None:
         sources = loss_.token_sources(source_ids, flat.seqs.cu_seqlens, num_sources, targets.shape[0])
@@ -370,10 +376,13 @@ def _loss_and_logits(
             num_supervised=call.num_supervised_tokens if shift_labels is None and labels is not None else None,
             sources=sources,
             num_sources=num_sources,
+            count_correct=recording.counting_correct(),
         )
         return ce, None
     logits = model.lm_head(hidden)
-    return (None if targets is None else cross_entropy_sum(logits, targets, sources, num_sources)), logits
+    if targets is None:
+        return None, logits
+    return cross_entropy_sum(logits, targets, sources, num_sources, recording.counting_correct()), logits
 
 
 def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptions) -> Callable:
@@ -437,7 +446,7 @@ def make_rmpad_forward(original: Callable, spec: FamilySpec, options: RmpadOptio
         if spec.moe:
             fields.update(_moe_fields(self, spec, outputs, loss, ce, num_items_in_batch, flat, sp))
         result = output_class(**fields)
-        loss_.attach_token_counts(result, ce)  # for evaluation: counts and accuracy without logits
+        recording.attach_token_counts(result, ce)  # for evaluation: counts and accuracy without logits
         return result
 
     return as_patched_forward(forward, original)

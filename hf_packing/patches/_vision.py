@@ -149,7 +149,7 @@ def shared_token_items(token_types: torch.Tensor | None, image_grid_thw, video_g
         return {}
     merge = config.vision_config.spatial_merge_size
     grids = image_grid_thw.tolist() + video_grid_thw.tolist()
-    sizes = [t * h * w // merge**2 for t, h, w in grids]
+    sizes = varlen.vision_item_tokens(grids, merge=merge)
     return {ITEM_TOKENS: sizes, ITEM_ORDER: item_order(token_types.flatten().cpu(), sizes, len(image_grid_thw))}
 
 
@@ -199,7 +199,7 @@ def precomputed_vision_inputs(
         "position_ids": helpers.get_vision_position_ids(grid, merge),
         "cu_seqlens": cu_seqlens,
         "max_seqlen": max(frames),
-        ITEM_TOKENS: [t * h * w // merge**2 for t, h, w in grids],
+        ITEM_TOKENS: varlen.vision_item_tokens(grids, merge=merge),
     }
     if getattr(vision_config, "window_size", None):
         window_index, cu_windows = helpers.get_vision_window_index(
@@ -345,7 +345,7 @@ def tower_calls(
             with torch.no_grad() if frozen_tower(inner) else contextlib.nullcontext():
                 if sizes is None and frames_as_images:  # split per item, not per frame: sizes read on the host
                     merge = inner.config.vision_config.spatial_merge_size
-                    sizes = (torch.cat([g for _, g in media]).prod(-1) // merge**2).tolist()
+                    sizes = varlen.vision_item_tokens(torch.cat([g for _, g in media]), merge=merge)
                 if sizes is None:
                     out = type(inner).get_image_features(inner, pixels, grids, **kwargs)
                 else:

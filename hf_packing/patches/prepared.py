@@ -22,7 +22,6 @@ It also knows whether a prepared Trainer is inside ``train()`` (`training`), so 
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Any
 
@@ -30,6 +29,9 @@ import torch
 
 #: attribute `prepare_trainer` sets on the dataset a prepared loader iterates (accelerate's shard or the packs)
 PREPARED_ATTR = "hf_packing_prepared"
+#: class attribute (``True``) that marks `pack_dataset`'s ``PackedDataset``: the packer sits above the patches, so
+#: this guard knows its packs by the mark, not by the class
+PACKS_ATTR = "hf_packing_packs"
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # loaders found fine
 _TRAINING: weakref.WeakSet = weakref.WeakSet()  # prepared Trainers inside train()
 
@@ -108,14 +110,11 @@ def _loader_problem(loader: Any, collated: bool) -> str | None:
 
 
 def _packs(loader: Any, shard_class: Any) -> Any:
-    """The `PackedDataset` ``loader`` iterates (directly or in accelerate's shard), else None.
-    `hf_packing.training.unwrap` does the same, but importing it (and with it the packer) here would close an import
-    cycle through the patches; a `PackedDataset` can only exist once its module is imported, so ``sys.modules``
-    tells."""
-    stream = sys.modules.get("hf_packing.packing.dataset")
+    """The `PackedDataset` ``loader`` iterates (directly or in accelerate's shard), else None: known by its
+    `PACKS_ATTR` mark (`hf_packing.training.unwrap.packed_dataset` tests the class, from above the packer)."""
     dataset: Any = getattr(loader, "dataset", None)
     dataset = dataset.dataset if isinstance(dataset, shard_class) else dataset
-    return dataset if stream is not None and isinstance(dataset, stream.PackedDataset) else None
+    return dataset if getattr(type(dataset), PACKS_ATTR, False) is True else None
 
 
 def training_started(trainer: Any) -> None:

@@ -29,9 +29,7 @@ A source that gives no sample over a full pass raises [`~hf_packing.packing.stat
 
 from __future__ import annotations
 
-import functools
 import json
-import logging
 import os
 import re
 from collections import Counter
@@ -59,12 +57,6 @@ _ROLES = {  # ShareGPT / LLaVA speakers (`from`)
 }
 _TAGS = re.compile(r"(<image>|<video>)")
 _URL_PARTS = {"image_url": "image", "video_url": "video"}  # OpenAI's media parts
-logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    logger.warning(message)
 
 
 # ------------------------------------------------------------------------------------------------ per source
@@ -404,7 +396,9 @@ def row_fps(
     if len(rates) != num_videos or not all(r is None or (isinstance(r, (int, float)) and r > 0) for r in rates):
         raise SampleError("bad_row", f"fps must be a positive number or one per video ({num_videos}), got {value!r}")
     if any(r is None and f for r, f in zip(rates, [True] * num_videos if frames is None else frames)):
-        _warn_once(
+        from transformers.utils import logging as hf_logging  # loaded by then (a processor exists)
+
+        hf_logging.get_logger(__name__).warning_once(
             "video frames without fps: the processor assumes 24 fps (Qwen2.5-VL second_per_grid_ts, "
             "Qwen3-VL timestamps), wrong for frames taken seconds apart; give rows an 'fps' or pass "
             "fps="

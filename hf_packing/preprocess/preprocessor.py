@@ -35,6 +35,7 @@ import torch
 
 from ..config import MAX_IMAGE_PIXELS, PackingConfig
 from ..ops.loss import IGNORE_INDEX
+from ..ops.varlen import merged_tokens
 from .errors import REASONS, OverlongError, SampleError, SkipCounter
 from .fetch import MediaFetcher
 from .formats import FORMATS, Conversation, normalize_row, row_fps
@@ -243,7 +244,7 @@ class Preprocessor:
         # token: the run's place tells them apart, not the id)
         where = np.flatnonzero(np.isin(ids, [i for i in (self.image_id, self.video_id) if i is not None]))
         in_video = np.isin(starts[where], run_starts)
-        for picked, counts in ((~in_video, [p // self.merge**2 for p in img_patches]), (in_video, vid_runs)):
+        for picked, counts in ((~in_video, [merged_tokens(p, self.merge) for p in img_patches]), (in_video, vid_runs)):
             if int(picked.sum()) != len(counts):
                 raise SampleError(
                     "placeholder_mismatch",

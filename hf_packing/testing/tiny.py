@@ -1,9 +1,9 @@
 """Tiny, random-weight, fully-local Qwen-VL models and processors for tests.
 
-Six families are supported, named by ``config.model_type``: ``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"qwen3_vl"``,
-``"qwen3_vl_moe"``, ``"qwen3_5"`` and ``"qwen3_5_moe"`` (hybrid: Gated DeltaNet linear-attention layers and
-full-attention
-layers). Nothing is downloaded: the tokenizer is a byte-level BPE trained in-process on a small built-in
+Every family of the patches' table (``hf_packing.patches.FAMILIES``; tests/test_tiny.py holds the two lists to
+it) has a tiny model, named by ``config.model_type``: the Qwen families ``MODEL_TYPES`` (``"qwen3_5"``,
+``"qwen3_5_moe"`` and ``"qwen4_exp"`` hybrid: linear-attention layers and full-attention layers) and the GLM-V
+families ``GLM_TYPES``. Nothing is downloaded: the tokenizer is a byte-level BPE trained in-process on a small built-in
 text, the image/video processors are the families' real classes with small pixel budgets, and the models are the
 real ``*ForConditionalGeneration`` classes with tiny random weights.
 
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig, PreTrainedModel
 
+#: the Qwen families, in the order of the patches' family table (this part sits below the patches: a test ties them)
 MODEL_TYPES: tuple[str, ...] = (
     "qwen2_vl",
     "qwen2_5_vl",

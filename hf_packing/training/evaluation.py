@@ -8,7 +8,8 @@ wrapping two methods of the Trainer instance:
 
 - ``compute_loss`` during evaluation: the model gets no ``num_items_in_batch``, so its loss is the batch's own mean;
   the batch adds ``(loss × n, n, n_correct)`` to on-device sums. ``n`` and ``n_correct`` (argmax == target, counted
-  chunk by chunk inside the loss) are what the patched forward recorded (`hf_packing.ops.loss.recording_token_counts`),
+  chunk by chunk inside the loss) are what the patched forward recorded
+  (`~hf_packing.patches.recording.recording_token_counts`),
   else ``n = (labels[..., 1:] != -100).sum()`` (transformers' shift) and ``n_correct`` is read from ``logits``. They
   are recorded, not read from the output's ``num_supervised_tokens`` / ``num_correct_tokens`` attributes, because
   under ``bf16=True`` (accelerate's mixed precision) the output comes back rebuilt by ``convert_outputs_to_fp32``,
@@ -50,9 +51,10 @@ from typing import Any
 
 import torch
 
-from ..ops.loss import IGNORE_INDEX, CrossEntropySum, counting_sources, recording_token_counts
+from ..ops.loss import IGNORE_INDEX, CrossEntropySum
 from ..packing.source_ids import per_source_metrics
 from ..patches import is_patched, unwrap_model
+from ..patches.recording import counting_sources, recording_token_counts
 from .unwrap import packed_dataset
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,8 @@ def batch_sums(
     device: ``5 + 3 · num_sources`` numbers.
 
     ``loss`` is the batch's mean cross-entropy (no ``num_items_in_batch``), ``outputs`` the model's output,
-    ``counts`` what the patched forward recorded for this batch (`hf_packing.ops.loss.recording_token_counts`): with
+    ``counts`` what the patched forward recorded for this batch
+    (`~hf_packing.patches.recording.recording_token_counts`): with
     them, n and n correct are the patched loss's own; without, n is counted from the labels and n correct read from
     ``logits`` (if there are any).
     """

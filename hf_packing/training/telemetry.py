@@ -39,7 +39,8 @@ counted once; tests/test_telemetry.py holds SP = 2 to hand-worked values) and th
                                 from events around each collective (no sync in the step), on CPU wall time
 
 Per source (a `pack_dataset` of a ``{name: dataset}`` mix, or with ``source_column``; under `apply_rmpad`): the
-forward pre-hook opens `hf_packing.ops.loss.counting_sources` around each training forward, the patched loss sums each
+forward pre-hook opens `hf_packing.patches.recording.counting_sources` around each training forward, the patched loss
+sums each
 source's token cross-entropy, supervised tokens and argmax hits on the device (in the chunks it computes anyway), a
 forward hook adds them up, and the log's one all-reduce carries them. Keys, without the ``packing/`` prefix:
 
@@ -65,9 +66,9 @@ from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback
 
 from ..ops.flops import ModelFlops
-from ..ops.loss import counting_sources, recording_token_counts
 from ..packing.source_ids import per_source_metrics
 from ..patches import sequence_parallel
+from ..patches.recording import counting_sources, recording_token_counts
 from .flops import cost_model, training_flops
 
 __all__ = ["ModelFlops", "PackingTelemetry", "add_telemetry", "default_peak_tflops", "training_flops"]
