@@ -139,13 +139,21 @@ def apply_liger_inner_kernels(model, config: dict) -> None:
     as transformers' ``use_liger_kernel`` applies them) with ``config``, whose fused-loss options the caller turned
     off. Liger (0.8.5) imports its family's fused-loss forward even when that option is off, and on transformers 5.23
     those modules fail to import (output classes that transformers no longer has); such a module is, for this call
-    only, a `_NoLossForward`. Raises `ImportError` naming the extra when liger-kernel is not installed."""
+    only, a `_NoLossForward`. Raises `ImportError` naming the extra when liger-kernel is not installed, and
+    `ValueError` for a family Liger has no kernels for (Qwen4-Exp in 0.8.5), where it would silently apply nothing."""
     import sys
 
     require_extra("liger", "liger_kernel", purpose="TrainingArguments(use_liger_kernel=True)")
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-    name = f"liger_kernel.transformers.model.{model.config.model_type}"
+    model_type = model.config.model_type
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:  # Liger would log this and apply nothing: say it instead
+        raise ValueError(
+            f"use_liger_kernel=True: the installed liger-kernel has no kernels for model_type {model_type!r} (it "
+            f"knows {sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)}); set use_liger_kernel=False"
+        )
+    name = f"liger_kernel.transformers.model.{model_type}"
     placeholder = None
     try:
         importlib.import_module(name)

@@ -24,6 +24,10 @@ from hf_packing.patches import is_patched
 from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
 
 liger = pytest.importorskip("liger_kernel.transformers", reason="liger-kernel (the 'liger' extra) is not installed")
+from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN  # noqa: E402
+
+#: the families Liger has kernels for (0.8.5: not Qwen4-Exp, refused below)
+LIGER_TYPES = [m for m in MODEL_TYPES if m in MODEL_TYPE_TO_APPLY_LIGER_FN]
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +88,7 @@ def _liger_defaults(model_type: str) -> dict[str, bool]:
     return {"norms": params["rms_norm"].default, "mlps": params["swiglu"].default, "rope": params["rope"].default}
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", LIGER_TYPES)
 def test_inner_kernels_applied_forward_kept(model_type, tmp_path):
     hf_packing.apply_rmpad(model_type)
     try:
@@ -150,3 +154,16 @@ def test_unpatched_model_is_left_to_the_trainer(tmp_path):
     assert trainer.args.liger_kernel_config in (None, {})
     assert not any("forward" in vars(m) for m in model.modules())
     assert isinstance(model.model.language_model.norm.weight, torch.nn.Parameter)
+
+
+def test_a_family_liger_does_not_know_is_refused(tmp_path):
+    # Liger's own entry point logs and applies nothing for an unknown model_type; prepare_trainer says so instead
+    assert "qwen4_exp" not in MODEL_TYPE_TO_APPLY_LIGER_FN
+    hf_packing.apply_rmpad("qwen4_exp")
+    try:
+        model = build_tiny_model("qwen4_exp")
+        with pytest.raises(ValueError, match=r"no kernels for model_type 'qwen4_exp'.*use_liger_kernel=False"):
+            hf_packing.prepare_trainer(_trainer(tmp_path, model))
+        assert not _forward_replaced(model)
+    finally:
+        hf_packing.revert_rmpad("qwen4_exp")

@@ -16,8 +16,8 @@ import torch
 
 import hf_packing
 from hf_packing import VisionCollator
-from hf_packing.ops.memory import ActivationMemory, training_state_bytes
-from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
+from hf_packing.ops.memory import MODELLED, ActivationMemory, training_state_bytes
+from hf_packing.testing.tiny import GLM_TYPES, MODEL_TYPES, build_tiny_model
 from tests.helpers import FIXTURES, load_processor, processed_samples
 from tests.kernels import install_kernel, install_linear_kernels
 
@@ -86,7 +86,7 @@ def _steps(model_type: str, monkeypatch, *, memory: bool = True):
         _checkpointing(model, False)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODELLED)
 def test_predicts_saved_bytes(model_type, monkeypatch):
     memory = None
     for setting, counts, checkpointing, measured, model in _steps(model_type, monkeypatch):
@@ -143,3 +143,10 @@ def test_frozen_tower(model_type, monkeypatch):
     state = training_state_bytes(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert state["grads"] == 2 * trainable and state["optimizer"] == 4 * trainable
+
+
+@pytest.mark.parametrize("model_type", sorted(set(MODEL_TYPES + GLM_TYPES) - set(MODELLED)))
+def test_a_family_not_modelled_is_refused(model_type):
+    model = build_tiny_model(model_type)
+    with pytest.raises(ValueError, match=rf"not model_type '{model_type}'.*gradient checkpointing yourself"):
+        ActivationMemory.from_model(model)

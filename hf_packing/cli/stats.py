@@ -142,8 +142,17 @@ def run_stats(args: argparse.Namespace, config: PackingConfig | None = None) -> 
     print(f"histogram: {args.output}")
     model_dir = getattr(args, "model", None) or args.processor
     if (Path(model_dir) / "config.json").is_file():
+        from ..ops.memory import MODELLED
+
+        model_cfg = model_config(model_dir)
         gib = getattr(args, "gpu_memory_gib", None)
-        print(format_peak(predict_peak(model_config(model_dir), cfg), gib))
+        if model_cfg.model_type in MODELLED:
+            print(format_peak(predict_peak(model_cfg, cfg), gib))
+        else:
+            print(
+                f"memory per GPU: not modelled for model_type {model_cfg.model_type!r} "
+                f"(modelled: {', '.join(MODELLED)})"
+            )
     return results
 
 

@@ -33,7 +33,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["ActivationMemory", "training_state_bytes"]
+__all__ = ["MODELLED", "ActivationMemory", "training_state_bytes"]
+
+#: the families whose module trees `ActivationMemory.from_model` counts (held against saved_tensors_hooks in
+#: tests/test_memory.py); Qwen4-Exp (PLE, QSA, hyper-connections) and GLM-V (their sandwich norms and tower) keep
+#: other tensors and are refused rather than guessed
+MODELLED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 ACT, FP32, INDEX = 2.0, 4.0, 8.0  # bytes: a bf16 activation, an fp32 one, an int64 index
 
@@ -125,6 +130,11 @@ class ActivationMemory:
     def from_model(cls, model: torch.nn.Module) -> ActivationMemory:
         """Counts of a transformers Qwen-VL ``ForConditionalGeneration`` (unwrapped; the meta device will do)."""
         config: Any = model.config  # a transformers PretrainedConfig (ops import no transformers)
+        if config.model_type not in MODELLED:
+            raise ValueError(
+                f"the activation-memory model covers {', '.join(MODELLED)}, not model_type {config.model_type!r}: "
+                "choose gradient checkpointing yourself (drop gpu_memory_gib)"
+            )
         text = config.get_text_config()
         inner: Any = getattr(model, "model", model)
         lm: Any = getattr(inner, "language_model", inner)
