@@ -220,3 +220,33 @@ def test_apply_and_revert_restore_the_qwen4_exp_classes():
     assert all(getattr(mod, cls).__dict__[attr] is not b for (cls, attr), b in zip(names, before))
     hf_packing.revert_rmpad()
     assert all(getattr(mod, cls).__dict__[attr] is b for (cls, attr), b in zip(names, before))
+
+
+def _counted(checkpoint, index: int, calls: list[int]):
+    def counted(function, *args, **kwargs):
+        calls.append(index)
+        return checkpoint(function, *args, **kwargs)
+
+    return counted
+
+
+def test_patched_decoder_layers_still_checkpoint():
+    """Under gradient checkpointing every decoder layer hands its forward to the checkpoint function, patched as
+    plain. transformers 5.x checkpoints inside a wrapper around the class's own ``forward``; before the patched
+    forward carried that wrapper (`_qwen4_exp.with_checkpointing`) the patched layers ran unchecked, 0 calls
+    (found by transformers' own ``test_training_gradient_checkpointing``, tests/test_upstream.py)."""
+    model, _ = model_and_processor(MODEL_TYPE)
+    batch = layout_batch(model, "padded_right")
+    model.train()
+    model.gradient_checkpointing_enable()
+    layers = model.model.language_model.layers
+    counts = []
+    for patched in (False, True):
+        if patched:
+            hf_packing.apply_rmpad(MODEL_TYPE)
+        calls: list[int] = []
+        for index, layer in enumerate(layers):
+            layer._gradient_checkpointing_func = _counted(layer._gradient_checkpointing_func, index, calls)
+        model(**batch).loss.backward()
+        counts.append(sorted(set(calls)))
+    assert counts[0] == counts[1] == list(range(len(layers))), counts

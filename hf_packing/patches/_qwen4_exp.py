@@ -60,8 +60,25 @@ DECODER, PLE_LAYER, NGRAM, ATTENTION, INDEXER = (
 )
 
 
+def with_checkpointing(owner: type, forward: Callable) -> Callable:
+    """``forward`` inside transformers' gradient-checkpointing wrapper, made the way ``owner`` got its own.
+
+    transformers (5.x) checkpoints a ``GradientCheckpointingLayer`` in a wrapper it puts around the class's
+    ``forward`` when the class is created, and the wrapper checkpoints only while it is the class's ``forward``
+    itself; a replacement ``forward`` without it turns the layer's checkpointing off silently (found by transformers'
+    own ``test_training_gradient_checkpointing`` under the patch). A throwaway subclass gets the wrapper made."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if not issubclass(owner, GradientCheckpointingLayer):
+        return forward
+    carrier = type(owner.__name__, (owner,), {"forward": forward, "__module__": owner.__module__})
+    return carrier.__dict__["forward"]
+
+
 def make_decoder_forward(original: Callable) -> Callable:
-    """The decoder layer's forward: a packed call hands its PLE layer ``(ple_input_ids, seqs)``."""
+    """The decoder layer's forward: a packed call hands its PLE layer ``(ple_input_ids, seqs)``. ``original`` is
+    the class's (checkpointing) forward; it runs the layer unwrapped, since the patched class's ``forward`` is no
+    longer its wrapper (`with_checkpointing` puts one around this)."""
 
     def forward(self, *args, **kwargs):
         seqs = kwargs.get(PACKED_KWARG)
@@ -210,7 +227,11 @@ def qwen4_exp_patches(module: ModuleType) -> list[Patch]:
     return [
         Patch(cls[ATTENTION], "forward", attention),
         Patch(cls[INDEXER], "forward", make_indexer_forward(cls[INDEXER].__dict__["forward"])),
-        Patch(cls[DECODER], "forward", make_decoder_forward(cls[DECODER].__dict__["forward"])),
+        Patch(
+            cls[DECODER],
+            "forward",
+            with_checkpointing(cls[DECODER], make_decoder_forward(cls[DECODER].__dict__["forward"])),
+        ),
         Patch(cls[PLE_LAYER], "forward", make_ple_forward(cls[PLE_LAYER].__dict__["forward"])),
         Patch(cls[PLE_LAYER], "_short_conv", make_short_conv(cls[PLE_LAYER].__dict__["_short_conv"])),
         Patch(cls[NGRAM], "forward", make_ngram_forward(cls[NGRAM].__dict__["forward"])),
