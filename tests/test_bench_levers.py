@@ -27,5 +27,6 @@ def test_every_arm_runs_or_says_why():
             continue
         assert cells[0] == "n/a (dry)" and cells[-3].endswith("MiB"), (arm, cells)
         losses[arm] = float(cells[-2])
-        assert f"- 256/trainable {arm}: aten::" in body  # its profiled step
+        # its profiled step: some op ranked first with its share (which op leads is timing, not asserted)
+        assert re.search(rf"^- 256/trainable {re.escape(arm)}: \S.* \d+%", body, re.M), arm
     assert len(set(losses.values())) == 1, losses
