@@ -116,6 +116,28 @@ def today() -> str:
     return _dt.date.today().isoformat()
 
 
+def footer(
+    started: float,
+    machine_line: str,
+    *,
+    load_before: str | None = None,
+    load_after: bool = False,
+    extra: Iterable[str] = (),
+) -> str:
+    """The four lines that close every RESULTS.md section: date and duration (since ``started``, a
+    ``time.time()``), versions (plus ``extra`` packages), machine, and the command that wrote it. ``load_before``
+    (a `load_average` taken at the start) adds the load before and after; ``load_after`` adds the load at the end
+    alone."""
+    date = f"- Date: {today()}; took {time.time() - started:,.0f} s"
+    if load_before is not None:
+        date += f"; load average before (1/5/15 min): {load_before}, after: {load_average()}"
+    elif load_after:
+        machine_line += f"; load average {load_average()}"
+    return "\n".join(
+        [date, f"- Versions: {versions(extra)}", f"- Machine: {machine_line}", f"- Command: `{command_line()}`"]
+    )
+
+
 def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 

@@ -205,10 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     verdict = "PASS" if all(checks) else "FAIL"
     body = f"""## Rank balance: per-step spread of text + vision work (`bench_balance.py`)
 
-- Date: {C.today()}; took {time.time() - t0:.0f} s; load average before (1/5/15 min): {load}, after: {C.load_average()}
-- Versions: {C.versions()}
-- Machine: {C.machine("one process, one thread")}
-- Command: `{C.command_line()}`
+{C.footer(t0, C.machine("one process, one thread"), load_before=load)}
 - Packs: `plan_packs` streaming BFD (buffer 1000) on the modelled mixes of `bench_packing.py` ({", ".join(f"{m}: {n:,} packs" for m, n in packs.items())}; **hires** is new: 50% text-only chats, lognormal median 1,500 tokens, 50% one 1-8 Mpx photo, see `hires_mix`). A pack's work: `WorkCost.from_config()` (Qwen2.5-VL-7B) over its samples, vision patches = 4 per image token, vision attention Σ patches² per image.
 - Score: Σ over steps of the most loaded rank's work / Σ of the mean rank's work (1.0 = no rank waits; 1.10 = 10% of each step's wall time lost on average). A step is `per_rank` packs per rank (the DataLoader batch); columns are `ranks x per_rank`. Deterministic (no timing noise) except the µs/pack column, the median over cases of the arm's wall time per pack on a loaded shared machine.
 

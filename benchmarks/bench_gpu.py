@@ -790,10 +790,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     body = f"""## GPU training step (`bench_gpu.py`)
 
-- Date: {C.today()}; took {time.time() - t_start:.0f} s
-- Versions: {C.versions(["flash-attn"])}
-- Machine: {gpu_name}; {C.cpu_model()}
-- Command: `{C.command_line()}`
+{C.footer(t_start, f"{gpu_name}; {C.cpu_model()}", extra=["flash-attn"])}
 - Model: Qwen2.5-VL-3B-shaped, random init, {params["total"] / 1e6:,.0f}M parameters ({args.layers} text layers, {args.vision_layers} vision blocks), {str(dtype).replace("torch.", "")}, activation checkpointing {"off" if args.no_grad_ckpt or args.smoke else "on"}; AdamW lr=0 shared by all arms (full optimizer work, weights unchanged).
 - Method: arms interleaved step by step on the same packs; {args.warmup} warm-up + median of {args.steps} measured steps; `torch.cuda.synchronize()` around each step; peak memory = `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()` before each step (includes weights, grads and AdamW state); host syncs = warnings of `torch.cuda.set_sync_debug_mode("warn")` in one more step per arm.
 - bf16 8192³ matmul ceiling measured in this run: **{ceiling:.0f} TFLOP/s**. MFU formula in the script docstring (6·N·T + 6·L·d·Σlen² per document for text; vision likewise, 2·N instead of 6·N when frozen).

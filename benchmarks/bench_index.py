@@ -195,10 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     body = f"""## Length index: planning cost per replica, with and without (`bench_index.py`)
 
-- Date: {C.today()}; took {time.time() - t0:.0f} s; load average before (1/5/15 min): {load}, after: {C.load_average()}
-- Versions: {C.versions(["pyarrow"])}
-- Machine: {C.machine(f"rates pinned to core {core}, torch / pyarrow 1 thread; replicas not pinned")}
-- Command: `{C.command_line()}`
+{C.footer(t0, C.machine(f"rates pinned to core {core}, torch / pyarrow 1 thread; replicas not pinned"), load_before=load, extra=["pyarrow"])}
 - Data: {n:,} HF-messages rows over {args.images} JPEGs of 300-1000 px (94% with an image), `save_to_disk` + `load_from_disk`; tiny Qwen2.5-VL processor (its tokenizer has a 500-token vocabulary: a real one tokenizes slower, so real estimates cost more and the index saves more), `max_length=8192`. Other engineers' jobs shared the 2 cores: compare arms within this run (they are interleaved, {args.repeats} measured rounds after one warm-up, medians).
 
 Per core (rows/s):

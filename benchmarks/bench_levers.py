@@ -371,10 +371,7 @@ def run(args) -> str:
     gpu_name = torch.cuda.get_device_name(device) if cuda else "CPU (dry run: no timing claims)"
     return f"""## GPU levers (`bench_levers.py`)
 
-- Date: {C.today()}; took {time.time() - t_start:.0f} s
-- Versions: {C.versions(["flash-attn", "liger-kernel"])}
-- Machine: {gpu_name}; {C.cpu_model()}
-- Command: `{C.command_line()}`
+{C.footer(t_start, f"{gpu_name}; {C.cpu_model()}", extra=["flash-attn", "liger-kernel"])}
 - Model: Qwen2.5-VL-3B-shaped ({args.layers} text layers, {args.vision_layers} vision blocks), bf16 weights, rmpad with \
 `attn_backend={backend}`; AdamW lr=0 (fused and foreach: both states exist after their first steps, both in the \
 peak); bf16 matmul ceiling {ceiling:.0f} TFLOP/s.

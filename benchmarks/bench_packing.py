@@ -1121,10 +1121,7 @@ def main(argv: list[str] | None = None) -> None:
     llava, docs = mixes["llava"]["lengths"], mixes["docs"]["lengths"]
     body = f"""## Packing: fill, planner speed, TRL, collator, data path (`bench_packing.py`)
 
-- Date: {C.today()}; took {time.time() - t_start:.0f} s; load average before (1/5/15 min): {load_before}, after: {C.load_average()}
-- Versions: {C.versions(["pyarrow"])}
-- Machine: {C.machine("single-threaded: planner, TRL and collator run on one thread (`torch.set_num_threads(1)`, `pyarrow.set_cpu_count(1)`), not pinned, so the scheduler may move them off a core another process is using; the end-to-end part is pinned to one core")}
-- Command: `{C.command_line()}`
+{C.footer(t_start, C.machine("single-threaded: planner, TRL and collator run on one thread (`torch.set_num_threads(1)`, `pyarrow.set_cpu_count(1)`), not pinned, so the scheduler may move them off a core another process is using; the end-to-end part is pinned to one core"), load_before=load_before, extra=["pyarrow"])}
 - Method: every arm in one process, interleaved round by round on the same lengths in the same order; {args.warmup} warm-up round(s), median of {args.repeats} measured rounds. Samples longer than `max_length` are removed first (counted below) so planner and TRL see identical inputs (TRL would truncate them, cutting images).
 
 Mixes (modelled, fixed seeds; full model in the script docstring; tokens per image = Qwen2.5-VL rule, one per 28x28 px):

@@ -216,10 +216,7 @@ times.""".split()
 
 {table}
 
-- Date: {C.today()}; took {time.time() - t_start:.0f} s; load average before (1/5/15 min): {load_before}, after: {C.load_average()}
-- Versions: {C.versions()}
-- Machine: {C.machine(f"torch.set_num_threads({args.threads})")}
-- Command: `{C.command_line()}`
+{C.footer(t_start, C.machine(f"torch.set_num_threads({args.threads})"), load_before=load_before)}
 """
     if args.no_write:
         print(body)

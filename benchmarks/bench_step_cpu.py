@@ -594,10 +594,7 @@ What scales with what (self CPU time per operator class, median of {args.profile
     notes = "\n".join(f"- {n}" for n in NOTES)
     body = f"""## CPU training step: padded vs flat vs rmpad (`bench_step_cpu.py`)
 
-- Date: {C.today()}; took {time.time() - t_start:.0f} s; load average before (1/5/15 min): {load_before}, after: {C.load_average()}
-- Versions: {C.versions()}
-- Machine: {C.machine(f"torch.set_num_threads({args.threads})")}
-- Command: `{C.command_line()}`
+{C.footer(t_start, C.machine(f"torch.set_num_threads({args.threads})"), load_before=load_before)}
 - Model: random-init Qwen2.5-VL, {n_params / 1e6:.1f}M parameters, fp32, attn_implementation "sdpa": text 4 layers x 512 (8 heads, 2 kv heads, intermediate 1376, vocab 512), vision depth 4 x 256 (4 heads, intermediate 684, window 112 px, full attention in block 3). Loss = mean CE over supervised tokens.
 - Data: {num_batches} batches of {args.batch_size} samples (text lognormal median 150 tokens clipped to 60-500, 85% with one real 56-224 px image through the tiny Qwen2.5-VL processor, labels on the answer). Real-token fraction of the padded batches over the measured steps: **{real_fraction:.3f}**.
 - Method: the three arms run in one process, interleaved step by step on the same batches (collated before timing), each on its own deep copy of the same initial weights with its own AdamW (lr 1e-4); a step = forward + backward + `optimizer.step()` + `zero_grad`. {args.warmup} warm-up step(s) per arm, then the median of {args.steps} measured steps. real tokens/s = median over steps of (real tokens / step time).
@@ -711,10 +708,7 @@ warm-up; losses of every step equal between the arms: {same}.
 
 {C.md_table(["arm", "median step (ms)", "vs autograd"], rows)}
 
-- Date: {C.today()}; took {time.time() - t_start:.0f} s; load average before (1/5/15 min): {load_before}, after: {C.load_average()}
-- Versions: {C.versions()}
-- Machine: {C.machine(f"torch.set_num_threads({args.threads})")}
-- Command: `{C.command_line()}`
+{C.footer(t_start, C.machine(f"torch.set_num_threads({args.threads})"), load_before=load_before)}
 """
     print(body)
     if not args.no_write:
@@ -854,10 +848,7 @@ sdpa, each query's scores against all its blocks) take over. Ours stays a small 
 transformers' does), without the Python loop. On a GPU the gap is wider than on this CPU: every unpatched syncing op
 stalls the host.
 
-- Date: {C.today()}; took {time.time() - t_start:.0f} s; load average before (1/5/15 min): {load_before}, after: {C.load_average()}
-- Versions: {C.versions()}
-- Machine: {C.machine(f"torch.set_num_threads({args.threads})")}
-- Command: `{C.command_line()}`
+{C.footer(t_start, C.machine(f"torch.set_num_threads({args.threads})"), load_before=load_before)}
 """
     print(body)
     if not args.no_write:
@@ -940,10 +931,7 @@ def run_trl(args) -> None:
     fraction = sum(real[args.warmup :]) / sum(b["attention_mask"].numel() for b in batches[args.warmup :])
     body = f"""## CPU training step under TRL's SFTTrainer: unpatched vs rmpad (`bench_step_cpu.py --trl`)
 
-- Date: {C.today()}; took {time.time() - t_start:.0f} s; load average before (1/5/15 min): {load_before}, after: {C.load_average()}
-- Versions: {C.versions()}
-- Machine: {C.machine(f"torch.set_num_threads({args.threads})")}
-- Command: `{C.command_line()}`
+{C.footer(t_start, C.machine(f"torch.set_num_threads({args.threads})"), load_before=load_before)}
 - Model and data: as in the section above (random-init Qwen2.5-VL, batches of {args.batch_size}); the padded `VisionCollator` rows (what TRL's own VLM collator gives: right-padded rows + attention mask). Real-token fraction over the measured steps: **{fraction:.3f}**.
 - Method: two arms in one process, interleaved step by step on the same batches, each on its own copy of the same initial weights with its own AdamW (lr 1e-4). A step = `SFTTrainer.training_step` (TRL {C.version_of("trl")}: `compute_loss` → `model(..., fused_lm_head=True)` → `model.model(...)` + TRL's chunked log-prob head; forward + backward) + `optimizer.step()` + `zero_grad`; `rmpad` wraps the step in `apply_rmpad("qwen2_5_vl", attn_backend="reference")` / `revert_rmpad`. fp32, no gradient checkpointing. {args.warmup} warm-up step(s), median of {args.steps} measured steps.
 
@@ -1067,10 +1055,7 @@ def run_compile(args) -> None:
     )
     body = f"""## CPU training step: eager vs per-layer compiled, padded vs rmpad (`bench_step_cpu.py --compile`)
 
-- Date: {C.today()}; took {time.time() - t_start:,.0f} s
-- Versions: {C.versions()}
-- Machine: {C.machine(f"torch.set_num_threads({args.threads})")}; load average before {load_before}, after {C.load_average()}
-- Command: `{C.command_line()}`
+{C.footer(t_start, C.machine(f"torch.set_num_threads({args.threads})"), load_before=load_before)}
 - Model and data: as in the section above (`step_config`, batches of {args.batch_size} samples, one row each); {args.steps} measured steps per arm after {args.warmup} warm-up step(s) and the compiling step; compile backend `{args.compile_backend}`, every text decoder layer `fullgraph=True, dynamic=True`; the vision tower, the loss and the optimizer stay eager. Host syncs: one more forward + backward under `SyncCounter` (syncing ops: all, and hf_packing's in brackets; counted with the layers eager, see `_syncs_per_step`: a fullgraph layer cannot hold one).
 
 {table}

@@ -169,10 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     body = f"""## Host memory of one large image: decode and processor (`image_memory.py`)
 
-- Date: {C.today()}; took {time.time() - t_start:.0f} s
-- Versions: {C.versions()}
-- Machine: {C.machine("1 thread, one image per fresh process")}; load average {C.load_average()}
-- Command: `{C.command_line()}`
+{C.footer(t_start, C.machine("1 thread, one image per fresh process"), load_after=True)}
 - Method: see the script's docstring (peak / held RSS over the baseline per stage; Qwen2.5-VL's image processor at its
   default max_pixels {MAX_PIXELS:,}; `ImageLoader.load_rgb` as the packer's workers call it).
 

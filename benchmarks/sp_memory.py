@@ -187,10 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     body = f"""## Sequence parallelism: activation memory per rank (`sp_memory.py`)
 
-- Date: {C.today()}; took {time.time() - t_start:.0f} s
-- Versions: {C.versions()}
-- Machine: {C.machine("1 thread per rank, SP ranks as processes (gloo)")}; load average {C.load_average()}
-- Command: `{C.command_line()}`
+{C.footer(t_start, C.machine("1 thread per rank, SP ranks as processes (gloo)"), load_after=True)}
 - Model: tiny Qwen2.5-VL text (hidden {TEXT["hidden_size"]}, {TEXT["num_hidden_layers"]} layers, {TEXT["num_attention_heads"]} heads, {TEXT["num_key_value_heads"]} KV heads, intermediate {TEXT["intermediate_size"]}), fp32; one text-only pack of {args.tokens:,} tokens in {SEQUENCES} sequences; reference varlen attention.
 - Method and model: see the script's docstring (peak RSS delta over one forward + backward after a warm-up; weights, gradients and the process in the baseline).
 
@@ -232,10 +229,7 @@ def main_hybrid(args: argparse.Namespace) -> None:
     text = TEXT_QWEN3_5
     body = f"""## Sequence parallelism, Qwen3.5: activation memory per rank (`sp_memory.py --family qwen3_5`)
 
-- Date: {C.today()}; took {time.time() - t_start:.0f} s
-- Versions: {C.versions()}
-- Machine: {C.machine("1 thread per rank, SP ranks as processes (gloo)")}; load average {C.load_average()}
-- Command: `{C.command_line()}`
+{C.footer(t_start, C.machine("1 thread per rank, SP ranks as processes (gloo)"), load_after=True)}
 - Model: tiny Qwen3.5 text (hidden {text["hidden_size"]}, {text["num_hidden_layers"]} layers: 3 Gated DeltaNet with {text["linear_num_key_heads"]} key / {text["linear_num_value_heads"]} value heads of {text["linear_key_head_dim"]}, then 1 full attention with {text["num_attention_heads"]} heads of {text["head_dim"]}; intermediate {text["intermediate_size"]}), fp32; one text-only pack of {args.tokens:,} tokens in {SEQUENCES} sequences; reference backends (linear layers: transformers' torch fallbacks per sequence, on this rank's heads).
 - Method: as above (peak RSS delta over one forward + backward after a warm-up; weights, gradients and the process in the baseline).
 
