@@ -1,7 +1,7 @@
 """The activation-memory model (`hf_packing.ops.memory`) against what autograd keeps, measured.
 
 The oracle: one training step under ``torch.autograd.graph.saved_tensors_hooks``, counting each saved storage once
-(views share one) and leaving the parameters out, on tiny bf16 models of the six families, the attention and
+(views share one) and leaving the parameters out, on tiny bf16 models of the families in ``MODELLED``, the attention and
 linear-attention kernels replaced by stand-ins that keep exactly what the GPU kernels keep for backward
 (`tests.kernels`, ``memory=True``): rows and flat batches, a text-only and an image pack, checkpointing off and on.
 The model's terms come from the modules' shapes (`ActivationMemory.from_model`), never from these measurements.
@@ -111,7 +111,7 @@ def test_reference_kernels_keep_more(monkeypatch):
         assert measured > predicted * (1 + RTOL), setting
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "glm4v"])
 def test_frozen_tower(model_type, monkeypatch):
     """A frozen tower runs without autograd (the patch's frozen-tower path): the step keeps the decoder's tensors and
     an index per merged token, and the state counts no gradient or AdamW moment for the tower."""

@@ -6,7 +6,12 @@ P vision patches) into bytes, for bf16 weights (the GPU benchmark's precision), 
 
     off   T·(embed ids + rotary + L·layer + final norm)  +  S·loss  +  P·(patch embed + blocks + mergers)
           + P/m²·merged tokens in the decoder
+          + per step: GLM's fp32 router weights (off), its fp32 position table (with patches)
     on    the same, with each checkpointed layer / block keeping only its input (T·2H / P·2D bytes)
+
+The families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), Qwen3.5(-MoE) and the GLM-V families (GLM-4.1V, GLM-4.5V's
+MoE with its sigmoid grouped router, GLM-4.6V: sandwich norms around the mixer and the MLP, a tower with RMSNorms
+after the patch embedding and the blocks, bicubic position embeddings and a conv downsample before its SwiGLU merger).
 
 Each term is a count of saved tensors of known widths, in the dtype they are saved in: activations in bf16 (2 bytes),
 and what the modules compute in fp32 in 4 (transformers' RMSNorm keeps its fp32 input copy and 1/rms; Qwen3.5's keeps
@@ -28,6 +33,7 @@ and ``recipes/train.py --gpu_memory_gib`` add the two for the largest pack the b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +42,21 @@ import torch
 __all__ = ["MODELLED", "ActivationMemory", "training_state_bytes"]
 
 #: the families whose module trees `ActivationMemory.from_model` counts (held against saved_tensors_hooks in
-#: tests/test_memory.py); Qwen4-Exp (PLE, QSA, hyper-connections) and GLM-V (their sandwich norms and tower) keep
-#: other tensors and are refused rather than guessed
-MODELLED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+#: tests/test_memory.py); the others keep other tensors and are refused rather than guessed
+MODELLED = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "glm4v",
+    "glm4v_moe",
+    "glm46v",
+)
 
 ACT, FP32, INDEX = 2.0, 4.0, 8.0  # bytes: a bf16 activation, an fp32 one, an int64 index
+_LAYER_NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
 
 
 def _norm_bytes(norm: Any, width: float) -> float:
@@ -54,10 +70,13 @@ def _norm_bytes(norm: Any, width: float) -> float:
 
 
 def _mlp_bytes(mlp: Any, act: str) -> float:
-    """A dense MLP's bytes per token beyond its input: SwiGLU keeps gate, act(gate), up and their product; a plain
-    MLP keeps fc1's output (QuickGELU: and its sigmoid) and the activation's output."""
+    """A dense MLP's bytes per token beyond its input: SwiGLU keeps gate, act(gate), up and their product (GLM's fused
+    gate‖up: its output, act(gate), the product); a plain MLP keeps fc1's output (QuickGELU: and its sigmoid) and the
+    activation's output."""
     if hasattr(mlp, "gate_proj"):
         return 4 * ACT * mlp.gate_proj.out_features
+    if isinstance(getattr(mlp, "gate_up_proj", None), torch.nn.Linear):
+        return 2 * ACT * mlp.gate_up_proj.out_features
     fc1 = getattr(mlp, "fc1", None) or mlp.linear_fc1
     return (3 if act == "quick_gelu" else 2) * ACT * fc1.out_features
 
@@ -101,6 +120,28 @@ def _moe_bytes(mlp: Any, text: Any) -> float:
     return router + routed + _mlp_bytes(shared, "silu") + ACT * (text.hidden_size + 1)  # its output, sigmoid gate
 
 
+def _glm_moe_bytes(mlp: Any, text: Any) -> float:
+    """A GLM-4.5V MoE block's bytes per token beyond its input: the sigmoid router (DeepSeek-V3's grouped top-k), each
+    of the k experts a token visits (its routing weight in fp32), and the shared experts (no gate)."""
+    gate = mlp.gate
+    k, experts, groups = gate.top_k, gate.num_experts, gate.num_group
+    # fp32 input copy, sigmoid scores, the group top-2's and the top-groups' indices, the expert mask (bool), the
+    # top-k indices; normalised: the weights and their sum
+    router = FP32 * (text.hidden_size + experts) + INDEX * (2 * groups + gate.topk_group + k) + experts
+    if gate.norm_topk_prob:
+        router += FP32 * (k + 1)
+    routed = k * (2 * ACT * text.hidden_size + 4 * ACT * text.moe_intermediate_size + FP32 + 3 * INDEX)
+    return router + routed + _mlp_bytes(mlp.shared_experts, "silu")
+
+
+def _moe_fixed(lm: Any) -> float:
+    """Bytes per step that no count scales: the fp32 copy of each GLM router's weight (its linear keeps it)."""
+    gates = [
+        layer.mlp.gate for layer in lm.layers if hasattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias")
+    ]
+    return sum(FP32 * g.weight.numel() for g in gates)
+
+
 @dataclass(frozen=True)
 class ActivationMemory:
     """Bytes autograd keeps for backward, per unit of a pack's counts (see the module docstring).
@@ -115,6 +156,9 @@ class ActivationMemory:
         merge (`int`): m, the spatial merge size (a merged token is m² patches).
         vision_trainable (`bool`): any tower parameter trains; a frozen tower runs without autograd and keeps
             nothing, its merged tokens only their index into the sequence.
+        fixed (`float`): per step whatever the counts, checkpointing off: the fp32 copy of each GLM router's weight.
+        patch_fixed (`float`): per step with patches, the tower trained: GLM's position table, in fp32 for
+            grid_sample.
     """
 
     token: float
@@ -125,6 +169,8 @@ class ActivationMemory:
     merged: float = 0.0
     merge: int = 1
     vision_trainable: bool = True
+    fixed: float = 0.0
+    patch_fixed: float = 0.0
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> ActivationMemory:
@@ -144,28 +190,30 @@ class ActivationMemory:
         rotary = int(dim * (getattr(text, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0))
         layers = 0.0
         for layer in lm.layers:
-            norm = _norm_bytes(layer.input_layernorm, hidden) + _norm_bytes(layer.post_attention_layernorm, hidden)
+            # GLM-4.1V's sandwich norms: the post-mixer and post-MLP norms' outputs go into the residual sum only
+            norm = sum(_norm_bytes(getattr(layer, name), hidden) for name in _LAYER_NORMS if hasattr(layer, name))
             if getattr(layer, "linear_attn", None) is not None:
                 mixer = _linear_attention_bytes(layer.linear_attn, text)
             else:
                 mixer = _attention_bytes(layer.self_attn, text)
-            mlp = _moe_bytes(layer.mlp, text) if hasattr(layer.mlp, "experts") else _mlp_bytes(layer.mlp, "silu")
-            layers += norm + 2 * ACT * hidden + mixer + mlp  # the two norms' outputs, read by the mixer and the MLP
+            if hasattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias"):
+                mlp = _glm_moe_bytes(layer.mlp, text)
+            elif hasattr(layer.mlp, "experts"):
+                mlp = _moe_bytes(layer.mlp, text)
+            else:
+                mlp = _mlp_bytes(layer.mlp, "silu")
+            layers += norm + 2 * ACT * hidden + mixer + mlp  # the two pre-norms' outputs, read by the mixer and MLP
         outside = INDEX + _norm_bytes(lm.norm, hidden)  # input ids, final norm
         counts = cls(
             token=outside + 2 * ACT * rotary + layers,  # cos / sin: once, shared by the layers
             token_checkpointed=outside + len(lm.layers) * ACT * hidden,
             supervised=ACT * hidden + 2 * INDEX,
+            fixed=_moe_fixed(lm),
         )
         tower: Any = getattr(inner, "visual", None)
         if tower is None:
             return counts
-        return cls(
-            token=counts.token,
-            token_checkpointed=counts.token_checkpointed,
-            supervised=counts.supervised,
-            **_tower_bytes(tower, config.vision_config, hidden),
-        )
+        return dataclasses.replace(counts, **_tower_bytes(tower, config.vision_config, hidden))
 
     def saved_bytes(
         self, *, tokens: float, patches: float = 0.0, supervised: float | None = None, checkpointing: bool = False
@@ -175,9 +223,11 @@ class ActivationMemory:
         layer and tower block)."""
         supervised = tokens if supervised is None else supervised
         text = tokens * (self.token_checkpointed if checkpointing else self.token) + supervised * self.supervised
+        text += 0.0 if checkpointing else self.fixed
         if not self.vision_trainable:  # the tower ran without autograd: only the scatter's index into the tokens
             return text + patches / self.merge**2 * INDEX
         tower = patches * (self.patch_checkpointed if checkpointing else self.patch)
+        tower += self.patch_fixed if patches else 0.0
         return text + tower + patches / self.merge**2 * self.merged
 
 
@@ -196,11 +246,24 @@ def _tower_bytes(tower: Any, vc: Any, text_hidden: int) -> dict[str, Any]:
     windows = 2 * INDEX / merge**2 if fields.get("fullatt_block_indexes") and fields.get("window_size") else 0.0
     positions = 4 * INDEX + 4 * FP32 if fields.get("num_position_embeddings") else 0.0  # bilinear ids and weights
     merger: Any = tower.merger
-    merger_norm = getattr(merger, "ln_q", None) or merger.norm
-    mergers = _norm_bytes(merger_norm, width) + 3 * ACT * width  # fc1's input, the activation's input and output
     deepstack = list(getattr(tower, "deepstack_merger_list", None) or [])
-    # a DeepStack merger's norm reads the block output that the next block (or the merger) already keeps
-    mergers += len(deepstack) * (2 * ACT / merge**2 + 3 * ACT * width)
+    table = 0.0
+    if hasattr(tower, "downsample"):  # GLM-V: RMSNorms after the patch embedding and the blocks, a conv downsample
+        positions = 2 * FP32  # grid_sample's sampling grid (and, once per step, its fp32 table: patch_fixed)
+        table = FP32 * tower.embeddings.position_embedding.weight.numel()
+        positions += _norm_bytes(tower.post_conv_layernorm, width)
+        # per merged token: proj's input, the LayerNorm (its input is proj's output), GELU's input, the SwiGLU's
+        # input, and the SwiGLU
+        merged_width = merger.proj.in_features
+        per_merged = ACT * 3 * merged_width + _norm_bytes(merger.post_projection_norm, merged_width)
+        # the post-blocks norm, its output (the downsample conv's input)
+        mergers = _norm_bytes(tower.post_layernorm, width) + ACT * width
+        mergers += (per_merged + _mlp_bytes(merger, act)) / merge**2
+    else:
+        merger_norm = getattr(merger, "ln_q", None) or merger.norm
+        mergers = _norm_bytes(merger_norm, width) + 3 * ACT * width  # fc1's input, the activation's input and output
+        # a DeepStack merger's norm reads the block output that the next block (or the merger) already keeps
+        mergers += len(deepstack) * (2 * ACT / merge**2 + 3 * ACT * width)
     outside = ACT * patch_dim + windows + positions  # the pixels (patch embedding's input)
     return {
         "patch": outside + 2 * FP32 * (width // heads) + per_block + mergers,  # rotary cos / sin (fp32), once
@@ -208,6 +271,7 @@ def _tower_bytes(tower: Any, vc: Any, text_hidden: int) -> dict[str, Any]:
         "merged": (1 + len(deepstack)) * (ACT * text_hidden + INDEX),
         "merge": merge,
         "vision_trainable": any(p.requires_grad for p in tower.parameters()),
+        "patch_fixed": table,
     }
 
 
