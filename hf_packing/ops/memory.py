@@ -125,7 +125,9 @@ def _qsa_bytes(attn: Any, text: Any) -> float:
     SDPA with the queries as its batch: it keeps the gather's int64 index, the gathered k and v (K per query: not
     the layer's k and v, which nothing keeps), q, SDPA's output and fp32 log-sum-exp, the mask in q's dtype (K per
     query), and the output the chunks concatenate into. On the GPU it is the same backend (no varlen kernel takes a
-    per-query selection), so the same tensors.
+    per-query selection), so the same gathered tensors; which SDPA kernel torch picks there for a boolean mask can
+    add its own (the memory-efficient kernel pads its log-sum-exp and mask; the math kernel would keep the
+    probabilities, H_q·K per token), which no GPU run has measured yet.
     """
     heads, kv = text.num_attention_heads, text.num_key_value_heads
     dim = getattr(text, "head_dim", None) or text.hidden_size // heads
