@@ -105,16 +105,15 @@ def test_predicts_saved_bytes(model_type, monkeypatch):
 def test_qsa_query_chunks_keep_the_same(monkeypatch):
     """Qwen4-Exp's gather backend runs its queries in chunks that bound the gathered workspace (2^26 values by
     default: one chunk in the tiny steps above); forced to chunks of 6 queries, the step keeps the same bytes, as
-    the model says (the chunks share q and the index; their keys, values, masks and outputs add up)."""
+    the model says (the chunks' gathered keys and values are transient; the outputs and log-sum-exps join into one
+    each)."""
     from hf_packing.ops import sparse_attention
 
-    monkeypatch.setattr(sparse_attention, "CHUNK_ELEMENTS", 20_000)  # 6 queries of 2 · 11 keys · 128 + 4 · 11
-    batches = []  # the gather backend's SDPA calls: one per chunk, its queries as the batch
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(sparse_attention, "CHUNK_ELEMENTS", 20_000)  # 6 queries of 11 keys · (2 · 128 + 2 · 4)
+    chunks = []  # the gather backend's chunks, forward and backward: their query counts
+    gather_chunk = sparse_attention._gather_chunk
     monkeypatch.setattr(
-        torch.nn.functional,
-        "scaled_dot_product_attention",
-        lambda q, *a, **k: batches.append(len(q)) or sdpa(q, *a, **k),
+        sparse_attention, "_gather_chunk", lambda q, *a, **k: chunks.append(len(q)) or gather_chunk(q, *a, **k)
     )
     for setting, counts, _, measured, model in _steps(
         "qwen4_exp", monkeypatch, modes=("flat",), checkpointing=(False,)
@@ -122,7 +121,7 @@ def test_qsa_query_chunks_keep_the_same(monkeypatch):
         predicted = ActivationMemory.from_model(model).saved_bytes(**counts)
         print(f"qwen4_exp {setting}, chunked QSA: measured {measured:,} B, predicted {predicted:,.0f} B")
         assert abs(predicted / measured - 1) <= RTOL, setting
-    assert len(batches) > 2 * 10 and max(batches) == 6  # 2 packs of > 60 tokens, one QSA layer: > 10 chunks each
+    assert len(chunks) > 2 * 10 and max(chunks) == 6  # 2 packs of > 60 tokens, one QSA layer: > 10 chunks each
 
 
 def test_reference_kernels_keep_more(monkeypatch):

@@ -12,6 +12,7 @@ import torch
 
 from hf_packing.ops.sparse_attention import (
     QSASelection,
+    gather_qsa_attention,
     qsa_attention,
     qsa_blocks,
     qsa_mask,
@@ -319,11 +320,38 @@ def test_attention_gather_equals_reference(seqlens: list[int], query_chunk: int 
     if query_chunk is None:
         gathered = qsa_attention(*qkv, selection, blocks, seqs, backend="gather", **kwargs)
     else:
-        from hf_packing.ops.sparse_attention import gather_qsa_attention
-
         gathered = gather_qsa_attention(*qkv, selection, blocks, seqs, query_chunk=query_chunk, **kwargs)
     for got, want in zip(_value_and_grads(gathered, qkv), _value_and_grads(reference, qkv)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` builds its graph."""
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(kept.values())
+
+
+def test_attention_gather_keeps_no_gathered_keys():
+    """The gather backend's backward gathers again: at a budget of 64 tokens (K = 67 keys per query) it keeps q, k,
+    v, its output, log-sum-exp, int32 index and bool validity, far below the ``T · K · H_kv · (D + D_v)`` values of
+    the gathered keys and values. Negative control: SDPA under autograd (the dropout path) keeps them."""
+    seqs, selection, blocks, qkv = _attention_case([150, 90], topk=16)
+    kwargs = dict(compress_ratio=4, scaling=0.25)
+    total, n_keys = 240, 16 * 4 + 3
+    gathered = total * n_keys * 2 * (16 + 16) * 4  # fp32 k and v, per query
+    kept = _saved_bytes(lambda: qsa_attention(*qkv, selection, blocks, seqs, backend="gather", **kwargs))
+    io = sum(t.numel() for t in qkv) * 4 + total * 4 * 16 * 4 + total * 4 * 4  # q, k, v, out, lse
+    assert kept == io + total * n_keys * (4 + 1), kept
+    sdpa = _saved_bytes(lambda: gather_qsa_attention(*qkv, selection, blocks, seqs, dropout=0.5, **kwargs))
+    print(f"kept {kept:,} B; SDPA under autograd {sdpa:,} B; the gathered k and v {gathered:,} B")
+    assert sdpa >= gathered > 10 * kept
 
 
 def test_attention_negative_control():

@@ -70,6 +70,7 @@ MODELLED = (
 )
 
 ACT, FP32, INDEX = 2.0, 4.0, 8.0  # bytes: a bf16 activation, an fp32 one, an int64 index
+INT32, BOOL = 4.0, 1.0  # bytes: an int32 index, a bool mask
 _LAYER_NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
 
 
@@ -121,13 +122,12 @@ def _qsa_bytes(attn: Any, text: Any) -> float:
     """A Qwen4-Exp QSA ("indexed_attention") layer's bytes per token beyond its input, under the patched path.
 
     The indexer's selection runs under ``no_grad`` and keeps nothing. The ``gather`` backend
-    (`hf_packing.ops.sparse_attention`) gathers each query's K = block_topk·r + r - 1 keys and values and runs one
-    SDPA with the queries as its batch: it keeps the gather's int64 index, the gathered k and v (K per query: not
-    the layer's k and v, which nothing keeps), q, SDPA's output and fp32 log-sum-exp, the mask in q's dtype (K per
-    query), and the output the chunks concatenate into. On the GPU it is the same backend (no varlen kernel takes a
-    per-query selection), so the same gathered tensors; which SDPA kernel torch picks there for a boolean mask can
-    add its own (the memory-efficient kernel pads its log-sum-exp and mask; the math kernel would keep the
-    probabilities, H_q·K per token), which no GPU run has measured yet.
+    (`hf_packing.ops.sparse_attention`) attends each query's K = block_topk·r + r - 1 gathered keys and gathers
+    them again in backward: it keeps q, the layer's k and v, the int32 index and bool validity (K per query), its
+    output and fp32 log-sum-exp (one per query head), never the gathered keys and values. On the GPU it is the same
+    backend (no varlen kernel takes a per-query selection) and the same tensors; its fp32 workspace (one query
+    chunk's gathered keys, values and scores) is transient. With attention dropout it runs SDPA under autograd
+    instead, which keeps the gathered chunks: not modelled (Qwen4-Exp trains without attention dropout).
     """
     heads, kv = text.num_attention_heads, text.num_key_value_heads
     dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -135,9 +135,8 @@ def _qsa_bytes(attn: Any, text: Any) -> float:
     indexer = attn.indexer
     keys = indexer.block_topk * indexer.compress_ratio + indexer.compress_ratio - 1
     norms = _norm_bytes(attn.q_norm, dim) * heads + _norm_bytes(attn.k_norm, dim) * kv
-    # q (rotated), SDPA's output, the concatenated output, sigmoid(gate) and the gated output o_proj reads
-    gathered = keys * (2 * ACT * kv * dim + INDEX + ACT)  # k, v, the index, the mask
-    return norms + 5 * ACT * q + FP32 * heads + gathered
+    # q (rotated), the attention's output, sigmoid(gate) and the gated output o_proj reads; k and v
+    return norms + 4 * ACT * q + 2 * ACT * kv * dim + FP32 * heads + keys * (INT32 + BOOL)
 
 
 def _hyper_connection_bytes(hc: Any, hidden: int) -> float:

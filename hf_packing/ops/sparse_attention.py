@@ -36,8 +36,11 @@ The steps, in the order the patched indexer and attention call them:
    - ``reference``: one SDPA over the pack with the dense ``(T, T)`` mask of `qsa_mask` (same sample, causal,
      selected); exact, O(T²) memory, for tests and short packs.
    - ``gather``: each query's selected keys gathered, ``(T, K, H_kv, D)`` with ``K = block_topk·r + r - 1``, and
-     one SDPA with the queries as its batch; memory and FLOPs grow with ``T·K``, not ``T²`` (chunked over
-     queries). The default.
+     attended in fp32 with the queries as the batch; FLOPs grow with ``T·K``, not ``T²``, and the gathered
+     keys are a transient workspace (chunked over queries): backward gathers again, as flash attention
+     recomputes its probabilities, so a step keeps ``5·K`` bytes of index and validity per token, not
+     ``K·H_kv·(D + D_v)`` values (4 MiB per token per layer at a budget of 2,048 with 2 kv heads of 256 in bf16).
+     The default.
 
 Measured (`benchmarks/bench_qsa.py`, shared 2-core CPU, 4 samples, budget 8 in blocks of 4): the whole packed
 indexer takes 3 / 14 / 61 ms at ~125 / ~400 / ~1,000 tokens per sample against transformers' 166 / 545 / 2,888 ms
@@ -459,6 +462,81 @@ def reference_qsa_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+def _gather_chunk(q, k, v, index, valid, scaling: float):
+    """One query chunk's gathered keys and values and its masked fp32 scores: ``qs`` `(C, H_kv, G, D)`, ``ks``
+    `(C, H_kv, K, D)`, ``vs`` `(C, H_kv, K, D_v)`, ``scores`` `(C, H_kv, G, K)` (``-inf`` where not valid)."""
+    chunk, n_keys = index.shape
+    h_q, h_kv, dim = q.shape[1], k.shape[1], q.shape[2]
+    ids = index.flatten()
+    # one tiny attention per query: batch = queries, heads = kv heads, "sequence" = the query heads of a kv group
+    # (GQA without repeating k/v) against the query's K keys
+    ks = k.index_select(0, ids).view(chunk, n_keys, h_kv, dim).transpose(1, 2).float()
+    vs = v.index_select(0, ids).view(chunk, n_keys, h_kv, v.shape[-1]).transpose(1, 2).float()
+    qs = q.reshape(chunk, h_kv, h_q // h_kv, dim).float()
+    scores = torch.matmul(qs, ks.transpose(-1, -2)) * scaling
+    return qs, ks, vs, scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+
+
+def _gather_workspace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int) -> int:
+    """fp32 values one query of a gather chunk holds at once: its gathered keys and values, its scores and
+    probabilities."""
+    return n_keys * (k.shape[1] * (q.shape[-1] + v.shape[-1]) + 2 * q.shape[1])
+
+
+class _GatheredAttention(torch.autograd.Function):
+    """The ``gather`` backend without dropout: softmax attention of each query over its ``K`` gathered keys, in
+    fp32, keeping for backward only q, k, v, the index and validity ``(T, K)``, the output and the log-sum-exp;
+    the backward gathers again, as flash attention recomputes its probabilities instead of keeping them.
+
+    Keeping the gathered keys and values instead (autograd through SDPA) costs ``K · H_kv · (D + D_v)`` values per
+    token: at a budget of 2,048 tokens, 2 kv heads of 256, about 4 MiB per token per QSA layer in bf16, 32 GiB
+    for an 8k pack. This keeps ``5·K`` bytes of index and validity per token.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, index, valid, scaling: float, query_chunk: int | None):
+        total, h_q, h_kv = q.shape[0], q.shape[1], k.shape[1]
+        spans = _query_spans(total, _gather_workspace(q, k, v, index.shape[1]), query_chunk)
+        outs, lses = [], []
+        for lo, hi in spans:
+            _, _, vs, scores = _gather_chunk(q[lo:hi], k, v, index[lo:hi], valid[lo:hi], scaling)
+            lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            lse = torch.where(torch.isinf(lse), 0.0, lse)  # a query with no valid key (never for a selection): out 0
+            outs.append(torch.matmul((scores - lse).exp(), vs).reshape(hi - lo, h_q, v.shape[-1]).to(q.dtype))
+            lses.append(lse)
+        out = torch.cat(outs, dim=0) if outs else q.new_zeros(0, h_q, v.shape[-1])
+        lse = torch.cat(lses, dim=0) if lses else q.new_zeros(0, h_kv, h_q // h_kv, 1, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, index, valid, out, lse)
+        ctx.scaling, ctx.query_chunk = scaling, query_chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, index, valid, out, lse = ctx.saved_tensors
+        total, h_q, h_kv, dim, dim_v = q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2]
+        groups = h_q // h_kv
+        spans = _query_spans(total, _gather_workspace(q, k, v, index.shape[1]), ctx.query_chunk)
+        grad_q = []
+        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for lo, hi in spans:
+            chunk = hi - lo
+            qs, ks, vs, scores = _gather_chunk(q[lo:hi], k, v, index[lo:hi], valid[lo:hi], ctx.scaling)
+            probs = (scores - lse[lo:hi]).exp()  # (C, H_kv, G, K), 0 where not valid
+            d_out = grad_out[lo:hi].reshape(chunk, h_kv, groups, dim_v).float()
+            o = out[lo:hi].reshape(chunk, h_kv, groups, dim_v).float()
+            d_scores = probs * (torch.matmul(d_out, vs.transpose(-1, -2)) - (d_out * o).sum(-1, keepdim=True))
+            d_scores = d_scores * ctx.scaling
+            grad_q.append(torch.matmul(d_scores, ks).reshape(chunk, h_q, dim))
+            ids = index[lo:hi].flatten()
+            d_keys = torch.matmul(d_scores.transpose(-1, -2), qs)  # (C, H_kv, K, D)
+            d_values = torch.matmul(probs.transpose(-1, -2), d_out)  # (C, H_kv, K, D_v)
+            grad_k.index_add_(0, ids, d_keys.transpose(1, 2).reshape(-1, h_kv, dim))
+            grad_v.index_add_(0, ids, d_values.transpose(1, 2).reshape(-1, h_kv, dim_v))
+        d_q = torch.cat(grad_q, dim=0) if grad_q else torch.zeros_like(q, dtype=torch.float32)
+        return d_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
+
+
 def gather_qsa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -472,30 +550,31 @@ def gather_qsa_attention(
     dropout: float = 0.0,
     query_chunk: int | None = None,
 ) -> torch.Tensor:
-    """`qsa_attention`'s ``gather`` backend: each query's ``K`` selected keys and values gathered, then one SDPA
-    call with the queries as its batch (q-length: the query heads of a kv group; fp32 softmax inside SDPA).
+    """`qsa_attention`'s ``gather`` backend: each query's ``K`` selected keys and values gathered and attended in
+    fp32 (`_GatheredAttention`: the backward gathers again rather than keep the gathered tensors, ``5·K`` bytes of
+    int32 index and bool validity per token kept instead of ``K · H_kv · (D + D_v)`` values).
 
-    ``query_chunk`` bounds the gathered workspace (``chunk · K · H_kv · (D + D_v)`` values; under autograd the
-    gathered chunks are kept for the backward).
+    ``query_chunk`` bounds the gathered workspace (``chunk · K · H_kv · (D + D_v)`` fp32 values, forward and
+    backward). With ``dropout`` > 0 one SDPA per chunk runs under autograd instead, which keeps the gathered chunks
+    (a dropout mask recomputed in backward would need its RNG state replayed).
     """
     index = qsa_token_index(selection, blocks, compress_ratio=compress_ratio)  # (T, K)
     total, n_keys = index.shape
     h_q, h_kv, dim = q.shape[1], k.shape[1], q.shape[2]
-    groups = h_q // h_kv
     safe = index.clamp(min=0)
     # the selection ANDed with the pack's block-causal mask, as transformers ANDs it with the causal mask (and as
     # the reference's `qsa_mask` does): a selection that names another sample's key cannot reach it
     sample, _ = token_sequences(seqs, total, q.device)
     query = torch.arange(total, device=q.device)[:, None]
     valid = (index >= 0) & (safe <= query) & (sample[safe] == sample[:, None])
+    if dropout == 0.0:
+        return _GatheredAttention.apply(q, k, v, safe.to(torch.int32), valid, scaling, query_chunk)
     outs = []
-    for lo, hi in _query_spans(total, n_keys * h_kv * (dim + v.shape[-1]) + h_q * n_keys, query_chunk):
+    for lo, hi in _query_spans(total, _gather_workspace(q, k, v, n_keys), query_chunk):
         ids = safe[lo:hi].flatten()
-        # one tiny attention per query: batch = queries, heads = kv heads, "sequence" = the query heads of a kv
-        # group (GQA without repeating k/v) against the query's K keys
         ks = k.index_select(0, ids).view(hi - lo, n_keys, h_kv, dim).transpose(1, 2)
         vs = v.index_select(0, ids).view(hi - lo, n_keys, h_kv, v.shape[-1]).transpose(1, 2)
-        qs = q[lo:hi].reshape(hi - lo, h_kv, groups, dim)
+        qs = q[lo:hi].reshape(hi - lo, h_kv, h_q // h_kv, dim)
         mask = valid[lo:hi, None, None, :]
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scaling)
         outs.append(out.reshape(hi - lo, h_q, v.shape[-1]))
