@@ -462,19 +462,32 @@ def reference_qsa_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
-def _gather_chunk(q, k, v, index, valid, scaling: float):
-    """One query chunk's gathered keys and values and its masked fp32 scores: ``qs`` `(C, H_kv, G, D)`, ``ks``
-    `(C, H_kv, K, D)`, ``vs`` `(C, H_kv, K, D_v)`, ``scores`` `(C, H_kv, G, K)` (``-inf`` where not valid)."""
+def _heads_first(t: torch.Tensor, h_kv: int) -> torch.Tensor:
+    """`(C, H, D)` → `(H_kv · C, H / H_kv, D)`: the batch of the chunk's small matmuls, kv head first."""
+    chunk, heads, dim = t.shape
+    return t.reshape(chunk, h_kv, heads // h_kv, dim).transpose(0, 1).reshape(h_kv * chunk, heads // h_kv, dim)
+
+
+def _tokens_first(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The inverse of `_heads_first`: `(H_kv · C, G, D)` → `(C, H_kv · G, D)`."""
+    h_kv = t.shape[0] // chunk
+    return t.reshape(h_kv, chunk, t.shape[1], t.shape[2]).transpose(0, 1).reshape(chunk, -1, t.shape[2])
+
+
+def _gather_chunk(q, k_heads, v_heads, index, valid, scaling: float):
+    """One query chunk of the ``gather`` backend, as 3-D batches (kv head, query) of contiguous fp32 matrices:
+    ``qs`` `(H_kv · C, G, D)`, the gathered ``ks`` `(H_kv · C, K, D)` and ``vs`` `(H_kv · C, K, D_v)`, and the
+    scores `(H_kv · C, G, K)`, ``-inf`` where not valid. ``k_heads`` / ``v_heads``: k and v as `(H_kv, T, D)`,
+    contiguous, so that one ``index_select`` gathers each batch's keys contiguously."""
     chunk, n_keys = index.shape
-    h_q, h_kv, dim = q.shape[1], k.shape[1], q.shape[2]
+    h_kv = k_heads.shape[0]
     ids = index.flatten()
-    # one tiny attention per query: batch = queries, heads = kv heads, "sequence" = the query heads of a kv group
-    # (GQA without repeating k/v) against the query's K keys
-    ks = k.index_select(0, ids).view(chunk, n_keys, h_kv, dim).transpose(1, 2).float()
-    vs = v.index_select(0, ids).view(chunk, n_keys, h_kv, v.shape[-1]).transpose(1, 2).float()
-    qs = q.reshape(chunk, h_kv, h_q // h_kv, dim).float()
-    scores = torch.matmul(qs, ks.transpose(-1, -2)) * scaling
-    return qs, ks, vs, scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    ks = k_heads.index_select(1, ids).view(h_kv * chunk, n_keys, -1).float()
+    vs = v_heads.index_select(1, ids).view(h_kv * chunk, n_keys, -1).float()
+    qs = _heads_first(q, h_kv).float()
+    scores = torch.bmm(qs, ks.transpose(1, 2)) * scaling
+    hidden = ~valid[None, :, None, :].expand(h_kv, chunk, 1, n_keys).reshape(h_kv * chunk, 1, n_keys)
+    return qs, ks, vs, scores.masked_fill(hidden, float("-inf"))
 
 
 def _gather_workspace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int) -> int:
@@ -495,17 +508,17 @@ class _GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, index, valid, scaling: float, query_chunk: int | None):
-        total, h_q, h_kv = q.shape[0], q.shape[1], k.shape[1]
-        spans = _query_spans(total, _gather_workspace(q, k, v, index.shape[1]), query_chunk)
+        total, h_q = q.shape[0], q.shape[1]
+        k_heads, v_heads = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
         outs, lses = [], []
-        for lo, hi in spans:
-            _, _, vs, scores = _gather_chunk(q[lo:hi], k, v, index[lo:hi], valid[lo:hi], scaling)
+        for lo, hi in _query_spans(total, _gather_workspace(q, k, v, index.shape[1]), query_chunk):
+            _, _, vs, scores = _gather_chunk(q[lo:hi], k_heads, v_heads, index[lo:hi], valid[lo:hi], scaling)
             lse = torch.logsumexp(scores, dim=-1, keepdim=True)
             lse = torch.where(torch.isinf(lse), 0.0, lse)  # a query with no valid key (never for a selection): out 0
-            outs.append(torch.matmul((scores - lse).exp(), vs).reshape(hi - lo, h_q, v.shape[-1]).to(q.dtype))
-            lses.append(lse)
+            outs.append(_tokens_first(torch.bmm((scores - lse).exp(), vs), hi - lo).to(q.dtype))
+            lses.append(_tokens_first(lse, hi - lo))  # (C, H_q, 1)
         out = torch.cat(outs, dim=0) if outs else q.new_zeros(0, h_q, v.shape[-1])
-        lse = torch.cat(lses, dim=0) if lses else q.new_zeros(0, h_kv, h_q // h_kv, 1, dtype=torch.float32)
+        lse = torch.cat(lses, dim=0) if lses else q.new_zeros(0, h_q, 1, dtype=torch.float32)
         ctx.save_for_backward(q, k, v, index, valid, out, lse)
         ctx.scaling, ctx.query_chunk = scaling, query_chunk
         return out
@@ -513,28 +526,27 @@ class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, index, valid, out, lse = ctx.saved_tensors
-        total, h_q, h_kv, dim, dim_v = q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2]
-        groups = h_q // h_kv
-        spans = _query_spans(total, _gather_workspace(q, k, v, index.shape[1]), ctx.query_chunk)
+        total, h_kv = q.shape[0], k.shape[1]
+        k_heads, v_heads = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
         grad_q = []
-        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        for lo, hi in spans:
+        grad_k = torch.zeros(k_heads.shape, dtype=torch.float32, device=k.device)  # (H_kv, T, D)
+        grad_v = torch.zeros(v_heads.shape, dtype=torch.float32, device=v.device)
+        for lo, hi in _query_spans(total, _gather_workspace(q, k, v, index.shape[1]), ctx.query_chunk):
             chunk = hi - lo
-            qs, ks, vs, scores = _gather_chunk(q[lo:hi], k, v, index[lo:hi], valid[lo:hi], ctx.scaling)
-            probs = (scores - lse[lo:hi]).exp()  # (C, H_kv, G, K), 0 where not valid
-            d_out = grad_out[lo:hi].reshape(chunk, h_kv, groups, dim_v).float()
-            o = out[lo:hi].reshape(chunk, h_kv, groups, dim_v).float()
-            d_scores = probs * (torch.matmul(d_out, vs.transpose(-1, -2)) - (d_out * o).sum(-1, keepdim=True))
+            qs, ks, vs, scores = _gather_chunk(q[lo:hi], k_heads, v_heads, index[lo:hi], valid[lo:hi], ctx.scaling)
+            probs = (scores - _heads_first(lse[lo:hi], h_kv)).exp()  # (H_kv · C, G, K), 0 where not valid
+            d_out = _heads_first(grad_out[lo:hi], h_kv).float()
+            o = _heads_first(out[lo:hi], h_kv).float()
+            d_scores = probs * (torch.bmm(d_out, vs.transpose(1, 2)) - (d_out * o).sum(-1, keepdim=True))
             d_scores = d_scores * ctx.scaling
-            grad_q.append(torch.matmul(d_scores, ks).reshape(chunk, h_q, dim))
+            grad_q.append(_tokens_first(torch.bmm(d_scores, ks), chunk))
             ids = index[lo:hi].flatten()
-            d_keys = torch.matmul(d_scores.transpose(-1, -2), qs)  # (C, H_kv, K, D)
-            d_values = torch.matmul(probs.transpose(-1, -2), d_out)  # (C, H_kv, K, D_v)
-            grad_k.index_add_(0, ids, d_keys.transpose(1, 2).reshape(-1, h_kv, dim))
-            grad_v.index_add_(0, ids, d_values.transpose(1, 2).reshape(-1, h_kv, dim_v))
+            d_keys = torch.bmm(d_scores.transpose(1, 2), qs).view(h_kv, -1, k.shape[-1])  # (H_kv, C · K, D)
+            d_values = torch.bmm(probs.transpose(1, 2), d_out).view(h_kv, -1, v.shape[-1])
+            grad_k.index_add_(1, ids, d_keys)
+            grad_v.index_add_(1, ids, d_values)
         d_q = torch.cat(grad_q, dim=0) if grad_q else torch.zeros_like(q, dtype=torch.float32)
-        return d_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
+        return d_q.to(q.dtype), grad_k.transpose(0, 1).to(k.dtype), grad_v.transpose(0, 1).to(v.dtype), *[None] * 4
 
 
 def gather_qsa_attention(
