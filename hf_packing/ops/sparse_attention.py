@@ -42,10 +42,11 @@ The steps, in the order the patched indexer and attention call them:
      ``K·H_kv·(D + D_v)`` values (4 MiB per token per layer at a budget of 2,048 with 2 kv heads of 256 in bf16).
      The default.
 
-Measured (`benchmarks/bench_qsa.py`, shared 2-core CPU, 4 samples, budget 8 in blocks of 4): the whole packed
-indexer takes 3 / 14 / 61 ms at ~125 / ~400 / ~1,000 tokens per sample against transformers' 166 / 545 / 2,888 ms
-(40-54x), and ``gather`` attention (forward + backward) 129 ms at ~1,000 against 593 ms for transformers' padded
-sdpa and 2,034 ms for ``reference``.
+Measured (`benchmarks/bench_qsa.py`, 2-core CPU, 4 samples, budget 8 in blocks of 4): the whole packed indexer
+takes 3 / 9 / 25 ms at ~125 / ~400 / ~1,000 tokens per sample against transformers' 95 / 328 / 890 ms (30-36x), and
+``gather`` attention (forward + backward, gathering again in backward) 13 / 34 / 73 ms against 4 / 27 / 188 ms for
+transformers' padded sdpa with its dense mask and 10 / 100 / 623 ms for ``reference``: the gather's fixed costs
+lose at short samples, its ``T·K`` work wins from ~1,000 tokens.
 
 No ``flex_attention`` backend: the selection differs from query to query, so nearly every 128 x 128 tile of a
 block mask would be partial and flex would do the dense causal work (and on CPU it runs only eager or after a
