@@ -15,9 +15,11 @@ import torch
 
 import hf_packing
 from tests.helpers import (
+    GLM_TYPES,
     MODEL_TYPES,
     assert_equivalent,
     conversations,
+    glm_params,
     loss_and_grads,
     model_and_processor,
     processed_batch,
@@ -49,7 +51,7 @@ def _per_document(model, processor) -> tuple[torch.Tensor, float]:
     return torch.cat(logits), loss_sum / count
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + GLM_TYPES)
 @pytest.mark.parametrize("form", ["2d", "4row", "flash_kwargs"])
 def test_position_id_packed_row_is_never_merged(model_type, form):
     model, processor = model_and_processor(model_type)
@@ -116,7 +118,7 @@ def test_ambiguous_packed_input_raises():
         model(**batch | {"position_ids": batch["position_ids"][None].expand(3, -1, -1)}, use_cache=False)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + glm_params("glm4v", "glm4v_moe"))
 def test_return_dict_false_and_hidden_states(model_type):
     model, processor = model_and_processor(model_type, "left")
     batch = processed_batch(processor, conversations(with_video=False)) | {"use_cache": False}
@@ -155,7 +157,8 @@ def test_moe_output_class_without_router_logits():
     assert type(got) is type(ref) and got.router_logits is None and got.aux_loss is None
 
 
-MOE_TYPES = [t for t in MODEL_TYPES if t.endswith("_moe") or t == "qwen4_exp"]  # Qwen4-Exp routes to experts too
+#: Qwen4-Exp routes to experts too
+MOE_TYPES = [t for t in MODEL_TYPES + GLM_TYPES if t.endswith("_moe") or t == "qwen4_exp"]
 
 
 @pytest.mark.parametrize("model_type", MOE_TYPES)
@@ -201,6 +204,8 @@ def test_moe_router_logits_are_recorded_like_unpatched(model_type, training):
     hf_packing.apply_rmpad(model_type)
     got = _router_outputs(model, batch, settings)
     real = batch["attention_mask"].bool().flatten()
+    text = model.config.text_config
+    experts = text.n_routed_experts if model_type in GLM_TYPES else text.num_experts  # GLM-V: DeepSeek's name
     for setting, theirs, ours in zip(settings, ref, got):
         on = setting.get("output_router_logits", setting.get("config", False))
         assert (theirs.router_logits is not None) == on and (ours.router_logits is not None) == on, setting
@@ -209,7 +214,7 @@ def test_moe_router_logits_are_recorded_like_unpatched(model_type, training):
             continue
         assert len(ours.router_logits) == len(theirs.router_logits) > 0
         for mine, reference in zip(ours.router_logits, theirs.router_logits):
-            assert mine.shape == reference.shape == (real.numel(), model.config.text_config.num_experts)
+            assert mine.shape == reference.shape == (real.numel(), experts)
             torch.testing.assert_close(mine[real], reference[real], rtol=1e-4, atol=1e-5)
             assert (mine[~real] == 0).all()
     control = (other[0].router_logits[0][real] - ref[1].router_logits[0][real]).abs().max().item()
@@ -217,7 +222,7 @@ def test_moe_router_logits_are_recorded_like_unpatched(model_type, training):
     assert control > 1e-2
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + GLM_TYPES)
 def test_signature_and_annotations_are_the_original_ones(model_type):
     from transformers import Trainer, TrainingArguments
 
@@ -252,7 +257,7 @@ def test_use_cache_resolved_like_unpatched_forward():
     torch.testing.assert_close(got.logits, ref.logits)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + GLM_TYPES)
 def test_placeholder_errors_use_transformers_wording(model_type):
     model, processor = model_and_processor(model_type)
     batch = processed_batch(processor, conversations(with_video=False)[1:2])

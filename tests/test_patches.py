@@ -204,7 +204,7 @@ def test_eval_logits_and_loss_match_unpatched():
     assert model(**batch).logits is None
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_5"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_5", "glm4v"])
 def test_generation_falls_back_to_original_forward(model_type):
     """Cached generation runs the original forward (for Qwen3.5 also the original linear-attention kernels)."""
     model, processor = model_and_processor(model_type, "left")
@@ -217,7 +217,7 @@ def test_generation_falls_back_to_original_forward(model_type):
     assert torch.equal(model.generate(**inputs, **kwargs), ref)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_5", "glm4v"])
 def test_gradient_checkpointing_equivalent(model_type):
     model, processor = model_and_processor(model_type)
     batch = processed_batch(processor, conversations(with_video=False))
@@ -239,13 +239,14 @@ def test_peft_lora_equivalent():
     assert_equivalent(ref, loss_and_grads(model, batch), "lora")
 
 
-def test_dummy_vision_touches_vision_tower_with_zero_weight():
-    model, processor = model_and_processor("qwen3_vl")
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "glm4v"])
+def test_dummy_vision_touches_vision_tower_with_zero_weight(model_type):
+    model, processor = model_and_processor(model_type)
     batch = processed_batch(processor, conversations()[:1])  # text only
-    hf_packing.apply_rmpad("qwen3_vl")
+    hf_packing.apply_rmpad(model_type)
     plain_loss, plain = loss_and_grads(model, batch)
     assert not any(n.startswith("model.visual") for n in plain)
-    hf_packing.apply_rmpad("qwen3_vl", dummy_vision=True)
+    hf_packing.apply_rmpad(model_type, dummy_vision=True)
     loss, grads = loss_and_grads(model, batch)
     visual = [g for n, g in grads.items() if n.startswith("model.visual")]
     assert loss == plain_loss and visual and all(torch.count_nonzero(g) == 0 for g in visual)

@@ -7,6 +7,9 @@ Tolerance rule (STYLE.md): the patched low-precision run's error against the fp3
 - fp32 weights under ``torch.autocast("cpu", dtype=torch.bfloat16)``: the recipes' ``dtype: float32`` +
   ``bf16: true``. Rotary embeddings promote q/k back to fp32 there; the kernel must still get one half dtype;
 - LoRA (PEFT) and gradient checkpointing under autocast.
+
+GLM-V families run the batch without its video, which their unpatched model refuses beside images
+(tests/test_glm.py); GLM-4.1V in bf16 and GLM-4.5V under autocast by default, the rest under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,16 @@ import torch
 
 import hf_packing
 from hf_packing.ops.varlen import varlen_attention
-from tests.helpers import MODEL_TYPES, assert_within_2x, conversations, model_and_processor, processed_batch, torchrun
+from tests.helpers import (
+    MODEL_TYPES,
+    assert_within_2x,
+    conversations,
+    glm_params,
+    model_and_processor,
+    padded_rows,
+    processed_batch,
+    torchrun,
+)
 from tests.kernels import KernelContractError, install_kernel
 
 KERNELS = ("flash_attn", "torch_varlen")
@@ -37,7 +49,7 @@ def _three_runs(model_type: str, monkeypatch, kernel: str, *, autocast: bool, ro
     """(fp32 unpatched, low-precision unpatched, low-precision patched through the stand-in), and the kernel calls."""
     model, processor = model_and_processor(model_type)
     model = prepare(model) if prepare else model
-    batch = processed_batch(processor, rows)
+    batch = processed_batch(processor, padded_rows(model_type) if rows is None else rows)
     ref = _run(model, batch, autocast=False)
     if not autocast:
         model = model.to(torch.bfloat16)
@@ -48,7 +60,7 @@ def _three_runs(model_type: str, monkeypatch, kernel: str, *, autocast: bool, ro
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + glm_params("glm4v"))
 def test_bf16_weights_through_strict_kernel(model_type, kernel, monkeypatch):
     ref, plain, patched, calls, model = _three_runs(model_type, monkeypatch, kernel, autocast=False)
     assert_within_2x(ref, plain, patched, f"{model_type}/{kernel}/bf16")
@@ -61,7 +73,7 @@ def test_bf16_weights_through_strict_kernel(model_type, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + glm_params("glm4v_moe"))
 def test_fp32_weights_under_autocast_through_strict_kernel(model_type, kernel, monkeypatch):
     ref, plain, patched, calls, model = _three_runs(model_type, monkeypatch, kernel, autocast=True)
     assert_within_2x(ref, plain, patched, f"{model_type}/{kernel}/fp32+autocast")
