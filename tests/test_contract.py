@@ -242,15 +242,16 @@ def test_signature_and_annotations_are_the_original_ones(model_type):
         assert "second_per_grid_ts" in kept
 
 
-def test_use_cache_resolved_like_unpatched_forward():
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "glm4v"])
+def test_use_cache_resolved_like_unpatched_forward(model_type):
     """No labels, use_cache left to the config (True): the cache comes back, and generation can continue from it."""
-    model, processor = model_and_processor("qwen2_5_vl", "left")
+    model, processor = model_and_processor(model_type, "left")
     batch = processed_batch(processor, conversations(with_video=False)[:2])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     model.eval()
     with torch.no_grad():
         ref = model(**inputs)
-        hf_packing.apply_rmpad("qwen2_5_vl")
+        hf_packing.apply_rmpad(model_type)
         got = model(**inputs)
     assert ref.past_key_values is not None and type(got.past_key_values) is type(ref.past_key_values)
     assert got.past_key_values.get_seq_length() == ref.past_key_values.get_seq_length()
@@ -273,9 +274,10 @@ def test_placeholder_errors_use_transformers_wording(model_type):
     assert type(patched.value) is type(unpatched.value)
 
 
-def test_one_real_token_keeps_its_shape():
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "glm4v"])
+def test_one_real_token_keeps_its_shape(model_type):
     """A batch with a single real token (e.g. the last, tiny eval pack): logits (1, L, V), not squeezed."""
-    model, processor = model_and_processor("qwen2_vl")
+    model, processor = model_and_processor(model_type)
     ids = torch.tensor([[processor.tokenizer("Hi")["input_ids"][0], 0]])
     batch = {
         "input_ids": ids,
@@ -286,7 +288,7 @@ def test_one_real_token_keeps_its_shape():
     model.eval()
     with torch.no_grad():
         ref = model(**batch)
-        hf_packing.apply_rmpad("qwen2_vl")
+        hf_packing.apply_rmpad(model_type)
         got = model(**batch, output_hidden_states=True)
     assert got.logits.shape == ref.logits.shape and got.hidden_states[-1].shape[:2] == (1, 2)
     torch.testing.assert_close(got.logits[0, 0], ref.logits[0, 0], rtol=1e-4, atol=1e-5)
