@@ -83,6 +83,49 @@ def test_fp32_weights_under_autocast_through_strict_kernel(model_type, kernel, m
     assert (True in calls) == (full > 0) and False in calls
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "fp32+autocast"])
+def test_glm_pack_with_a_video_through_strict_kernel(autocast, monkeypatch):
+    """GLM-4.1V on a collator pack holding images and a video (its frames encoded as images, in the one tower call):
+    the fp32 oracle is each sample alone on the unpatched model (which refuses the padded batch), the plain
+    low-precision run is each sample alone in the same precision, and the patched pack goes through the strict
+    ``flash_attn`` stand-in, every text and vision layer. Negative control (under autocast): the same pack with the
+    text attention's boundaries dropped exceeds the tolerance."""
+    from hf_packing import VisionCollator
+    from hf_packing.ops.varlen import PackedSequences
+    from hf_packing.patches import _attention
+    from tests.helpers import each_sample_alone, processed_samples
+
+    model, processor = model_and_processor("glm4v")
+    samples = processed_samples(processor)
+    pack = VisionCollator(processor, model_config=model.config)(samples)
+    assert pack["pixel_values"] is not None and pack["pixel_values_videos"] is not None
+
+    def flat(run: tuple[float, dict[str, torch.Tensor]]) -> tuple[float, torch.Tensor]:
+        return run[0], torch.cat([run[1][n].float().flatten() for n in sorted(run[1])])
+
+    ref = flat(each_sample_alone(model, samples))
+    if not autocast:
+        model = model.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
+        plain = flat(each_sample_alone(model, samples))
+    calls = install_kernel(monkeypatch, "flash_attn")
+    hf_packing.apply_rmpad("glm4v", attn_backend="flash_attn")
+    assert_within_2x(ref, plain, _run(model, pack, autocast), f"glm4v/pack with a video/{autocast=}")
+    depth = model.config.vision_config.depth
+    assert calls.count(True) == model.config.text_config.num_hidden_layers and calls.count(False) == depth
+    if autocast:
+        kernel = _attention.varlen_attention
+
+        def merged(q, k, v, seqs, *, causal, **kwargs):
+            if causal:  # the text attention sees the pack as one sequence
+                seqs = PackedSequences.from_seqlens([sum(seqs.seqlens)], device=seqs.cu_seqlens.device)
+            return kernel(q, k, v, seqs, causal=causal, **kwargs)
+
+        monkeypatch.setattr(_attention, "varlen_attention", merged)
+        with pytest.raises(AssertionError):
+            assert_within_2x(ref, plain, _run(model, pack, autocast), "glm4v/pack with a video/boundaries dropped")
+
+
 def test_lora_under_autocast_through_strict_kernel(monkeypatch):
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
