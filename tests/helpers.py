@@ -22,12 +22,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
-from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
+from hf_packing.testing.tiny import GLM_TYPES, MODEL_TYPES, build_tiny_model
 
-__all__ = ["MODEL_TYPES"]  # re-exported: the families every test parametrises over (the rest are used by name)
+__all__ = ["GLM_TYPES", "MODEL_TYPES"]  # re-exported: the families tests parametrise over (the rest are used by name)
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -126,6 +127,19 @@ def conversations(with_video: bool = True) -> list[tuple[list[dict], list, list]
             )
         )
     return rows
+
+
+def glm_params(*fast: str) -> tuple:
+    """`GLM_TYPES` as pytest parameters: those named in ``fast`` in the default suite, the others behind ``-m slow``.
+    A per-architecture check needs GLM-4.1V and GLM-4.5V (its own copy of the modeling code); GLM-4.6V builds
+    GLM-4.1V's text and vision models and differs only in its top-level classes."""
+    return tuple(t if t in fast else pytest.param(t, marks=pytest.mark.slow) for t in GLM_TYPES)
+
+
+def padded_rows(model_type: str) -> list[tuple[list[dict], list, list]]:
+    """The conversations of a padded batch the unpatched ``model_type`` accepts: all of them, less the video for the
+    GLM-V families, whose unpatched model refuses a padded batch holding images and a video (tests/test_glm.py)."""
+    return conversations(with_video=model_type not in GLM_TYPES)
 
 
 def processed_batch(processor, rows=None) -> dict[str, torch.Tensor]:

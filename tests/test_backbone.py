@@ -13,7 +13,15 @@ import hf_packing
 from hf_packing.ops.varlen import PackedSequences
 from hf_packing.patches import _forward, revert_rmpad
 from hf_packing.patches._spec import FAMILIES
-from tests.helpers import MODEL_TYPES, first_layer_tokens, model_and_processor, processed_batch
+from tests.helpers import (
+    GLM_TYPES,
+    MODEL_TYPES,
+    first_layer_tokens,
+    glm_params,
+    model_and_processor,
+    padded_rows,
+    processed_batch,
+)
 
 HIDDEN_RTOL, GRAD_RTOL = 1e-5, 1e-4
 VISION_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
@@ -63,13 +71,14 @@ def compare(ref, got, label: str) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("layout", ["right", "left", "packed"])
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + glm_params("glm4v", "glm4v_moe"))
 def test_backbone_equals_unpatched(model_type, layout):
     """``model.model(...)`` on padded rows (right / left) or one position-id-packed row: the same hidden states at
     every real position and the same gradients as the unpatched backbone on the padded batch; the first decoder
-    layer sees exactly the real tokens; pads come back as zeros in the caller's ``(B, L, H)``."""
+    layer sees exactly the real tokens; pads come back as zeros in the caller's ``(B, L, H)``. GLM-V: the batch
+    without the video, which its unpatched model refuses beside images."""
     model, processor = model_and_processor(model_type, "left" if layout == "left" else "right")
-    batch = {k: v for k, v in processed_batch(processor).items() if k != "labels"}
+    batch = {k: v for k, v in processed_batch(processor, padded_rows(model_type)).items() if k != "labels"}
     real = batch["attention_mask"].flatten().bool()
     ref = hidden_and_grads(model, batch, real)
     inputs = packed_row(model, batch) if layout == "packed" else batch
@@ -86,13 +95,14 @@ def test_backbone_equals_unpatched(model_type, layout):
         assert not out.last_hidden_state.flatten(0, 1)[~real].any()
 
 
-def test_negative_control_boundaries_dropped_fail(monkeypatch):
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "glm4v"])
+def test_negative_control_boundaries_dropped_fail(model_type, monkeypatch):
     """The same comparison fails when the backbone's flat row loses its sequence boundaries (one sequence)."""
-    model, processor = model_and_processor("qwen2_5_vl")
-    batch = {k: v for k, v in processed_batch(processor).items() if k != "labels"}
+    model, processor = model_and_processor(model_type)
+    batch = {k: v for k, v in processed_batch(processor, padded_rows(model_type)).items() if k != "labels"}
     real = batch["attention_mask"].flatten().bool()
     ref = hidden_and_grads(model, batch, real)
-    hf_packing.apply_rmpad("qwen2_5_vl")
+    hf_packing.apply_rmpad(model_type)
     flatten = _forward.flatten_batch
 
     def merged(*args, **kwargs):
@@ -159,21 +169,22 @@ def test_revert_restores_backbone_forwards():
     assert all(cls.__dict__["forward"] is original for cls, original in before.values())
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe"])
 def test_moe_router_logits_and_aux_loss_as_unpatched(model_type):
     """Router logits come back in the unpatched ``(B·L, E)`` rows (zeros at pads), equal at real rows; the
     load-balancing loss with the caller's attention mask (what TRL adds) equals the unpatched one."""
     model, processor = model_and_processor(model_type)
-    batch = {k: v for k, v in processed_batch(processor).items() if k != "labels"}
+    batch = {k: v for k, v in processed_batch(processor, padded_rows(model_type)).items() if k != "labels"}
     real = batch["attention_mask"].flatten().bool()
     text = model.config.text_config
+    experts = text.n_routed_experts if model_type in GLM_TYPES else text.num_experts  # GLM-V: DeepSeek's name
     module = FAMILIES[model_type].load()
 
     def router_and_aux():
         with torch.no_grad():
             router = model.model(**batch, use_cache=False, output_router_logits=True).router_logits
         mask = batch["attention_mask"]
-        return router, module.load_balancing_loss_func(router, text.num_experts, text.num_experts_per_tok, mask)
+        return router, module.load_balancing_loss_func(router, experts, text.num_experts_per_tok, mask)
 
     ref_router, ref_aux = router_and_aux()
     hf_packing.apply_rmpad(model_type)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_packing.packing.balance import WorkCost, model_flops, partition, schedule, step_spread
-from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
+from hf_packing.testing.tiny import GLM_TYPES, MODEL_TYPES, build_tiny_model
 from hf_packing.training.flops import cost_model, training_flops
 
 
@@ -66,7 +66,7 @@ def _pack_flops(cost: WorkCost, unit: float, samples) -> float:
     return total * unit
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + GLM_TYPES)
 @pytest.mark.parametrize("frozen", [False, True])
 def test_a_packs_cost_is_its_training_flops(model_type, frozen):
     """The packer's cost of a pack (from metadata and the config alone) × one token's FLOPs = `training_flops` of the

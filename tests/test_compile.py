@@ -19,7 +19,7 @@ import torch
 
 import hf_packing
 from hf_packing import VisionCollator
-from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
+from hf_packing.testing.tiny import GLM_TYPES, MODEL_TYPES, build_tiny_model
 from tests.helpers import (
     FIXTURES,
     conversations,
@@ -74,7 +74,8 @@ def _compiled_layers(model) -> list[torch.nn.Module]:
 
 
 @pytest.mark.parametrize(
-    "model_type", [t if t == "qwen2_5_vl" else pytest.param(t, marks=pytest.mark.slow) for t in MODEL_TYPES]
+    "model_type",
+    [t if t == "qwen2_5_vl" else pytest.param(t, marks=pytest.mark.slow) for t in MODEL_TYPES + GLM_TYPES],
 )
 def test_decoder_layers_compile_whole_and_match_eager(model_type):
     """Every decoder layer compiles whole: softmax attention (`masked_reference_varlen` under compile) and Qwen3.5's
@@ -91,6 +92,10 @@ def test_decoder_layers_compile_whole_and_match_eager(model_type):
         layer.compile(fullgraph=True, dynamic=True, backend=backend)
     compiled = [_step(model, b) for b in batches]
     print(f"{model_type}: {backend.graphs} compilations over {len(batches)} batches, {len(layers)} layers compiled")
+    graphs = backend.graphs
+    for batch in batches[::-1]:  # every pack again, in another order: each layer reuses what it compiled
+        _step(model, batch)
+    assert backend.graphs == graphs
     for (loss, grads), (ref_loss, ref_grads) in zip(compiled, eager):
         torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
         assert grads.keys() == ref_grads.keys()
@@ -98,8 +103,13 @@ def test_decoder_layers_compile_whole_and_match_eager(model_type):
             torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
     # Qwen4-Exp: three layer kinds share the decoder layer's forward (linear with PLE, linear, QSA), one graph each
     # (dynamo guards on the module's children), and the plain linear kind, compiled as a recompile, specialises on the
-    # first pack's cu_seqlens size once (TORCH_LOGS=recompiles: "cu_seqlens size mismatch, expected 2, actual 3")
-    assert 1 <= backend.graphs <= (4 if model_type == "qwen4_exp" else 2)
+    # first pack's cu_seqlens size once (TORCH_LOGS=recompiles: "cu_seqlens size mismatch, expected 2, actual 3").
+    # GLM-4.1V's text (glm4v, glm46v): its rotary returns cos / sin as views of a (1, T, d/2, 2) tensor
+    # (``repeat_interleave(2)``), and duck sizing ties that 2 to the first pack's cu_seqlens size (one sequence):
+    # one recompile at the first pack of another count, never again (TORCH_LOGS=recompiles: "cu_seqlens.size()[0] ==
+    # position_embeddings[0]._base.size()[3]  # duck sizing added this equality")
+    bound = {"qwen4_exp": 4, "glm4v": 3, "glm46v": 3}.get(model_type, 2)
+    assert 1 <= backend.graphs <= bound
 
 
 def test_qwen3_5_linear_attention_compiles_once_for_all_packs():

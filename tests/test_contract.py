@@ -15,9 +15,11 @@ import torch
 
 import hf_packing
 from tests.helpers import (
+    GLM_TYPES,
     MODEL_TYPES,
     assert_equivalent,
     conversations,
+    glm_params,
     loss_and_grads,
     model_and_processor,
     processed_batch,
@@ -49,7 +51,7 @@ def _per_document(model, processor) -> tuple[torch.Tensor, float]:
     return torch.cat(logits), loss_sum / count
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + GLM_TYPES)
 @pytest.mark.parametrize("form", ["2d", "4row", "flash_kwargs"])
 def test_position_id_packed_row_is_never_merged(model_type, form):
     model, processor = model_and_processor(model_type)
@@ -116,7 +118,7 @@ def test_ambiguous_packed_input_raises():
         model(**batch | {"position_ids": batch["position_ids"][None].expand(3, -1, -1)}, use_cache=False)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + glm_params("glm4v", "glm4v_moe"))
 def test_return_dict_false_and_hidden_states(model_type):
     model, processor = model_and_processor(model_type, "left")
     batch = processed_batch(processor, conversations(with_video=False)) | {"use_cache": False}
@@ -155,7 +157,8 @@ def test_moe_output_class_without_router_logits():
     assert type(got) is type(ref) and got.router_logits is None and got.aux_loss is None
 
 
-MOE_TYPES = [t for t in MODEL_TYPES if t.endswith("_moe") or t == "qwen4_exp"]  # Qwen4-Exp routes to experts too
+#: Qwen4-Exp routes to experts too
+MOE_TYPES = [t for t in MODEL_TYPES + GLM_TYPES if t.endswith("_moe") or t == "qwen4_exp"]
 
 
 @pytest.mark.parametrize("model_type", MOE_TYPES)
@@ -201,6 +204,8 @@ def test_moe_router_logits_are_recorded_like_unpatched(model_type, training):
     hf_packing.apply_rmpad(model_type)
     got = _router_outputs(model, batch, settings)
     real = batch["attention_mask"].bool().flatten()
+    text = model.config.text_config
+    experts = text.n_routed_experts if model_type in GLM_TYPES else text.num_experts  # GLM-V: DeepSeek's name
     for setting, theirs, ours in zip(settings, ref, got):
         on = setting.get("output_router_logits", setting.get("config", False))
         assert (theirs.router_logits is not None) == on and (ours.router_logits is not None) == on, setting
@@ -209,7 +214,7 @@ def test_moe_router_logits_are_recorded_like_unpatched(model_type, training):
             continue
         assert len(ours.router_logits) == len(theirs.router_logits) > 0
         for mine, reference in zip(ours.router_logits, theirs.router_logits):
-            assert mine.shape == reference.shape == (real.numel(), model.config.text_config.num_experts)
+            assert mine.shape == reference.shape == (real.numel(), experts)
             torch.testing.assert_close(mine[real], reference[real], rtol=1e-4, atol=1e-5)
             assert (mine[~real] == 0).all()
     control = (other[0].router_logits[0][real] - ref[1].router_logits[0][real]).abs().max().item()
@@ -217,7 +222,7 @@ def test_moe_router_logits_are_recorded_like_unpatched(model_type, training):
     assert control > 1e-2
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + GLM_TYPES)
 def test_signature_and_annotations_are_the_original_ones(model_type):
     from transformers import Trainer, TrainingArguments
 
@@ -237,22 +242,23 @@ def test_signature_and_annotations_are_the_original_ones(model_type):
         assert "second_per_grid_ts" in kept
 
 
-def test_use_cache_resolved_like_unpatched_forward():
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "glm4v"])
+def test_use_cache_resolved_like_unpatched_forward(model_type):
     """No labels, use_cache left to the config (True): the cache comes back, and generation can continue from it."""
-    model, processor = model_and_processor("qwen2_5_vl", "left")
+    model, processor = model_and_processor(model_type, "left")
     batch = processed_batch(processor, conversations(with_video=False)[:2])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     model.eval()
     with torch.no_grad():
         ref = model(**inputs)
-        hf_packing.apply_rmpad("qwen2_5_vl")
+        hf_packing.apply_rmpad(model_type)
         got = model(**inputs)
     assert ref.past_key_values is not None and type(got.past_key_values) is type(ref.past_key_values)
     assert got.past_key_values.get_seq_length() == ref.past_key_values.get_seq_length()
     torch.testing.assert_close(got.logits, ref.logits)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + GLM_TYPES)
 def test_placeholder_errors_use_transformers_wording(model_type):
     model, processor = model_and_processor(model_type)
     batch = processed_batch(processor, conversations(with_video=False)[1:2])
@@ -268,9 +274,10 @@ def test_placeholder_errors_use_transformers_wording(model_type):
     assert type(patched.value) is type(unpatched.value)
 
 
-def test_one_real_token_keeps_its_shape():
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "glm4v"])
+def test_one_real_token_keeps_its_shape(model_type):
     """A batch with a single real token (e.g. the last, tiny eval pack): logits (1, L, V), not squeezed."""
-    model, processor = model_and_processor("qwen2_vl")
+    model, processor = model_and_processor(model_type)
     ids = torch.tensor([[processor.tokenizer("Hi")["input_ids"][0], 0]])
     batch = {
         "input_ids": ids,
@@ -281,7 +288,7 @@ def test_one_real_token_keeps_its_shape():
     model.eval()
     with torch.no_grad():
         ref = model(**batch)
-        hf_packing.apply_rmpad("qwen2_vl")
+        hf_packing.apply_rmpad(model_type)
         got = model(**batch, output_hidden_states=True)
     assert got.logits.shape == ref.logits.shape and got.hidden_states[-1].shape[:2] == (1, 2)
     torch.testing.assert_close(got.logits[0, 0], ref.logits[0, 0], rtol=1e-4, atol=1e-5)

@@ -21,7 +21,7 @@ import torch
 import hf_packing
 from hf_packing import _compat
 from hf_packing.testing.tiny import build_tiny_model
-from tests.helpers import FIXTURES, MODEL_TYPES, conversations, load_processor, processed_batch
+from tests.helpers import FIXTURES, MODEL_TYPES, conversations, load_processor, padded_rows, processed_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,13 +45,14 @@ def _backends() -> list[str]:
 
 @pytest.mark.parametrize("setup", ["bf16_weights", "fp32_weights_autocast"])
 @pytest.mark.parametrize("backend", ["torch_varlen", "flash_attn"])
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + ("glm4v",))
 def test_real_kernel_error_within_2x_of_plain_low_precision(model_type, backend, setup):
     if backend not in _backends():
         pytest.skip(f"{backend} not available")
     autocast = setup == "fp32_weights_autocast"
     processor = load_processor(model_type)
-    batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in processed_batch(processor).items()}
+    rows = padded_rows(model_type)  # GLM-V: no video beside the images, which its unpatched model refuses
+    batch = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in processed_batch(processor, rows).items()}
     model = build_tiny_model(model_type, processor_dir=FIXTURES / model_type).cuda()
     ref_loss, ref_grads = _run(model, batch, autocast=False)
     if not autocast:
@@ -134,7 +135,7 @@ def _cuda(obj):
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 @pytest.mark.parametrize("mode", ["rows", "flat"])
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + ("glm4v",))
 def test_patched_training_step_makes_no_host_sync_on_the_device(model_type, mode, checkpointing):
     """The CPU gate (tests/test_syncs.py) on the real device: one patched training step (forward, loss, backward) on
     a collator pack in bf16, after one warm-up step, under ``torch.cuda.set_sync_debug_mode("error")``. A sync fails
@@ -154,7 +155,8 @@ def test_patched_training_step_makes_no_host_sync_on_the_device(model_type, mode
     hf_packing.apply_rmpad(model_type)  # auto backends: bf16 on CUDA picks the varlen kernels
     batch = _cuda(VisionCollator(processor, mode=mode, model_config=model.config)(processed_samples(processor)))
     extra = {"num_items_in_batch": torch.tensor(batch["num_supervised_tokens"], device="cuda")}
-    if getattr(model.config.get_text_config(), "num_experts", None):
+    text = model.config.get_text_config()
+    if getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None):  # GLM-4.5V: DeepSeek's name
         extra["output_router_logits"] = True  # MoE: the aux loss term
 
     def step() -> None:

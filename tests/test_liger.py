@@ -21,18 +21,18 @@ import torch
 import hf_packing
 from hf_packing import _compat
 from hf_packing.patches import is_patched
-from hf_packing.testing.tiny import MODEL_TYPES, build_tiny_model
+from hf_packing.testing.tiny import GLM_TYPES, MODEL_TYPES, build_tiny_model
 
 liger = pytest.importorskip("liger_kernel.transformers", reason="liger-kernel (the 'liger' extra) is not installed")
 from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN  # noqa: E402
 
-#: the families Liger has kernels for (0.8.5: not Qwen4-Exp, refused below)
-LIGER_TYPES = [m for m in MODEL_TYPES if m in MODEL_TYPE_TO_APPLY_LIGER_FN]
+#: the families Liger has kernels for (0.8.5: not Qwen4-Exp nor GLM-4.6V, refused below)
+LIGER_TYPES = [m for m in MODEL_TYPES + GLM_TYPES if m in MODEL_TYPE_TO_APPLY_LIGER_FN]
 
 
 @pytest.fixture(autouse=True)
 def restore_transformers():
-    modules = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in MODEL_TYPES]
+    modules = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in MODEL_TYPES + GLM_TYPES]
     saved = [(module, dict(vars(module))) for module in modules]
     yield
     for module, before in saved:
@@ -156,14 +156,16 @@ def test_unpatched_model_is_left_to_the_trainer(tmp_path):
     assert isinstance(model.model.language_model.norm.weight, torch.nn.Parameter)
 
 
-def test_a_family_liger_does_not_know_is_refused(tmp_path):
-    # Liger's own entry point logs and applies nothing for an unknown model_type; prepare_trainer says so instead
-    assert "qwen4_exp" not in MODEL_TYPE_TO_APPLY_LIGER_FN
-    hf_packing.apply_rmpad("qwen4_exp")
+@pytest.mark.parametrize("model_type", ["qwen4_exp", "glm46v"])
+def test_a_family_liger_does_not_know_is_refused(model_type, tmp_path):
+    """Liger's own entry point logs and applies nothing for an unknown model_type; prepare_trainer says so instead
+    (GLM-4.6V runs GLM-4.1V's text model, but Liger 0.8.5 knows it by neither name)."""
+    assert model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN
+    hf_packing.apply_rmpad(model_type)
     try:
-        model = build_tiny_model("qwen4_exp")
-        with pytest.raises(ValueError, match=r"no kernels for model_type 'qwen4_exp'.*use_liger_kernel=False"):
+        model = build_tiny_model(model_type)
+        with pytest.raises(ValueError, match=rf"no kernels for model_type '{model_type}'.*use_liger_kernel=False"):
             hf_packing.prepare_trainer(_trainer(tmp_path, model))
         assert not _forward_replaced(model)
     finally:
-        hf_packing.revert_rmpad("qwen4_exp")
+        hf_packing.revert_rmpad(model_type)

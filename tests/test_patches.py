@@ -16,6 +16,7 @@ from tests.helpers import (
     conversations,
     loss_and_grads,
     model_and_processor,
+    padded_rows,
     processed_batch,
 )
 
@@ -166,10 +167,11 @@ def test_bad_attention_masks_name_the_row():
         model(**weird)
 
 
-def test_placeholder_mismatch_names_the_row():
-    model, processor = model_and_processor("qwen2_5_vl")
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "glm4v"])
+def test_placeholder_mismatch_names_the_row(model_type):
+    model, processor = model_and_processor(model_type)
     batch = processed_batch(processor, conversations(with_video=False))
-    hf_packing.apply_rmpad("qwen2_5_vl")
+    hf_packing.apply_rmpad(model_type)
     grids = batch["image_grid_thw"].clone()
     grids[[0, 1]] = grids[[1, 0]]  # same total, but rows 1 and 2 now disagree with their grids
     if torch.equal(grids, batch["image_grid_thw"]):
@@ -180,16 +182,17 @@ def test_placeholder_mismatch_names_the_row():
         model(**dict(batch, image_grid_thw=grids))
 
 
-def test_eval_logits_and_loss_match_unpatched():
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "glm4v"])
+def test_eval_logits_and_loss_match_unpatched(model_type):
     """In eval mode the patched forward returns loss *and* re-padded logits, like the unpatched model; in training
     (or with skip_logits=True) the logits are never built."""
-    model, processor = model_and_processor("qwen3_vl", "left")
-    batch = processed_batch(processor) | {"use_cache": False}
+    model, processor = model_and_processor(model_type, "left")
+    batch = processed_batch(processor, padded_rows(model_type)) | {"use_cache": False}
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     model.eval()
     with torch.no_grad():
         ref, ref_labelled = model(**inputs), model(**batch)
-        hf_packing.apply_rmpad("qwen3_vl")
+        hf_packing.apply_rmpad(model_type)
         got, labelled = model(**inputs), model(**batch)
         skipped = model(**batch, skip_logits=True)
     mask = batch["attention_mask"].bool()
@@ -204,7 +207,7 @@ def test_eval_logits_and_loss_match_unpatched():
     assert model(**batch).logits is None
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_5"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_5", "glm4v"])
 def test_generation_falls_back_to_original_forward(model_type):
     """Cached generation runs the original forward (for Qwen3.5 also the original linear-attention kernels)."""
     model, processor = model_and_processor(model_type, "left")
@@ -217,7 +220,7 @@ def test_generation_falls_back_to_original_forward(model_type):
     assert torch.equal(model.generate(**inputs, **kwargs), ref)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_5", "glm4v"])
 def test_gradient_checkpointing_equivalent(model_type):
     model, processor = model_and_processor(model_type)
     batch = processed_batch(processor, conversations(with_video=False))
@@ -228,24 +231,26 @@ def test_gradient_checkpointing_equivalent(model_type):
     assert_equivalent(ref, loss_and_grads(model, batch), f"{model_type}/grad-ckpt")
 
 
-def test_peft_lora_equivalent():
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "glm4v"])
+def test_peft_lora_equivalent(model_type):
     peft = pytest.importorskip("peft")
-    model, processor = model_and_processor("qwen2_5_vl")
+    model, processor = model_and_processor(model_type)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = peft.get_peft_model(model, config)
     batch = processed_batch(processor, conversations(with_video=False))
     ref = loss_and_grads(model, batch)
-    hf_packing.apply_rmpad("qwen2_5_vl")
+    hf_packing.apply_rmpad(model_type)
     assert_equivalent(ref, loss_and_grads(model, batch), "lora")
 
 
-def test_dummy_vision_touches_vision_tower_with_zero_weight():
-    model, processor = model_and_processor("qwen3_vl")
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "glm4v"])
+def test_dummy_vision_touches_vision_tower_with_zero_weight(model_type):
+    model, processor = model_and_processor(model_type)
     batch = processed_batch(processor, conversations()[:1])  # text only
-    hf_packing.apply_rmpad("qwen3_vl")
+    hf_packing.apply_rmpad(model_type)
     plain_loss, plain = loss_and_grads(model, batch)
     assert not any(n.startswith("model.visual") for n in plain)
-    hf_packing.apply_rmpad("qwen3_vl", dummy_vision=True)
+    hf_packing.apply_rmpad(model_type, dummy_vision=True)
     loss, grads = loss_and_grads(model, batch)
     visual = [g for n, g in grads.items() if n.startswith("model.visual")]
     assert loss == plain_loss and visual and all(torch.count_nonzero(g) == 0 for g in visual)

@@ -7,6 +7,9 @@ Tolerance rule (STYLE.md): the patched low-precision run's error against the fp3
 - fp32 weights under ``torch.autocast("cpu", dtype=torch.bfloat16)``: the recipes' ``dtype: float32`` +
   ``bf16: true``. Rotary embeddings promote q/k back to fp32 there; the kernel must still get one half dtype;
 - LoRA (PEFT) and gradient checkpointing under autocast.
+
+GLM-V families run the batch without its video, which their unpatched model refuses beside images
+(tests/test_glm.py); GLM-4.1V in bf16 and GLM-4.5V under autocast by default, the rest under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,16 @@ import torch
 
 import hf_packing
 from hf_packing.ops.varlen import varlen_attention
-from tests.helpers import MODEL_TYPES, assert_within_2x, conversations, model_and_processor, processed_batch, torchrun
+from tests.helpers import (
+    MODEL_TYPES,
+    assert_within_2x,
+    conversations,
+    glm_params,
+    model_and_processor,
+    padded_rows,
+    processed_batch,
+    torchrun,
+)
 from tests.kernels import KernelContractError, install_kernel
 
 KERNELS = ("flash_attn", "torch_varlen")
@@ -37,7 +49,7 @@ def _three_runs(model_type: str, monkeypatch, kernel: str, *, autocast: bool, ro
     """(fp32 unpatched, low-precision unpatched, low-precision patched through the stand-in), and the kernel calls."""
     model, processor = model_and_processor(model_type)
     model = prepare(model) if prepare else model
-    batch = processed_batch(processor, rows)
+    batch = processed_batch(processor, padded_rows(model_type) if rows is None else rows)
     ref = _run(model, batch, autocast=False)
     if not autocast:
         model = model.to(torch.bfloat16)
@@ -48,7 +60,7 @@ def _three_runs(model_type: str, monkeypatch, kernel: str, *, autocast: bool, ro
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + glm_params("glm4v"))
 def test_bf16_weights_through_strict_kernel(model_type, kernel, monkeypatch):
     ref, plain, patched, calls, model = _three_runs(model_type, monkeypatch, kernel, autocast=False)
     assert_within_2x(ref, plain, patched, f"{model_type}/{kernel}/bf16")
@@ -61,7 +73,7 @@ def test_bf16_weights_through_strict_kernel(model_type, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + glm_params("glm4v_moe"))
 def test_fp32_weights_under_autocast_through_strict_kernel(model_type, kernel, monkeypatch):
     ref, plain, patched, calls, model = _three_runs(model_type, monkeypatch, kernel, autocast=True)
     assert_within_2x(ref, plain, patched, f"{model_type}/{kernel}/fp32+autocast")
@@ -69,6 +81,49 @@ def test_fp32_weights_under_autocast_through_strict_kernel(model_type, kernel, m
     full = getattr(text, "layer_types", ["full_attention"]).count("full_attention")
     # Qwen4-Exp has no full-attention text layer: its QSA layers attend over selected keys (ops.sparse_attention)
     assert (True in calls) == (full > 0) and False in calls
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "fp32+autocast"])
+def test_glm_pack_with_a_video_through_strict_kernel(autocast, monkeypatch):
+    """GLM-4.1V on a collator pack holding images and a video (its frames encoded as images, in the one tower call):
+    the fp32 oracle is each sample alone on the unpatched model (which refuses the padded batch), the plain
+    low-precision run is each sample alone in the same precision, and the patched pack goes through the strict
+    ``flash_attn`` stand-in, every text and vision layer. Negative control (under autocast): the same pack with the
+    text attention's boundaries dropped exceeds the tolerance."""
+    from hf_packing import VisionCollator
+    from hf_packing.ops.varlen import PackedSequences
+    from hf_packing.patches import _attention
+    from tests.helpers import each_sample_alone, processed_samples
+
+    model, processor = model_and_processor("glm4v")
+    samples = processed_samples(processor)
+    pack = VisionCollator(processor, model_config=model.config)(samples)
+    assert pack["pixel_values"] is not None and pack["pixel_values_videos"] is not None
+
+    def flat(run: tuple[float, dict[str, torch.Tensor]]) -> tuple[float, torch.Tensor]:
+        return run[0], torch.cat([run[1][n].float().flatten() for n in sorted(run[1])])
+
+    ref = flat(each_sample_alone(model, samples))
+    if not autocast:
+        model = model.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
+        plain = flat(each_sample_alone(model, samples))
+    calls = install_kernel(monkeypatch, "flash_attn")
+    hf_packing.apply_rmpad("glm4v", attn_backend="flash_attn")
+    assert_within_2x(ref, plain, _run(model, pack, autocast), f"glm4v/pack with a video/{autocast=}")
+    depth = model.config.vision_config.depth
+    assert calls.count(True) == model.config.text_config.num_hidden_layers and calls.count(False) == depth
+    if autocast:
+        kernel = _attention.varlen_attention
+
+        def merged(q, k, v, seqs, *, causal, **kwargs):
+            if causal:  # the text attention sees the pack as one sequence
+                seqs = PackedSequences.from_seqlens([sum(seqs.seqlens)], device=seqs.cu_seqlens.device)
+            return kernel(q, k, v, seqs, causal=causal, **kwargs)
+
+        monkeypatch.setattr(_attention, "varlen_attention", merged)
+        with pytest.raises(AssertionError):
+            assert_within_2x(ref, plain, _run(model, pack, autocast), "glm4v/pack with a video/boundaries dropped")
 
 
 def test_lora_under_autocast_through_strict_kernel(monkeypatch):

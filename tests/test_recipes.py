@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import MODEL_TYPES, torchrun, write_llava_jsonl
+from tests.helpers import GLM_TYPES, MODEL_TYPES, torchrun, write_llava_jsonl
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TRAIN_CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
@@ -270,10 +270,15 @@ def test_fsdp_wrap_classes_exist_in_transformers():
 
 
 # ------------------------------------------------------------------------------------------ end to end
-@pytest.mark.parametrize("precision", [[], ["--bf16", "true"]], ids=["fp32", "fp32+bf16_autocast"])
-def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch, precision):
+@pytest.mark.parametrize(
+    ("model_type", "precision"),
+    [("qwen2_5_vl", []), ("qwen2_5_vl", ["--bf16", "true"]), ("glm4v", ["--bf16", "true"])],
+    ids=["fp32", "fp32+bf16_autocast", "glm4v-fp32+bf16_autocast"],
+)
+def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch, model_type, precision):
     """tiny_cpu: 2 training steps on 12 rows, each followed by an evaluation on the 4 rows held out; with ``--bf16
-    true`` (the recipes' GPU setup) too, where the evaluation must still report eval_token_accuracy."""
+    true`` (the recipes' GPU setup) too, where the evaluation must still report eval_token_accuracy; and a tiny GLM-4.1V
+    checkpoint (its own processor and template) in the recipes' setup."""
     try:
         from hf_packing.packing.dataset import pack_dataset  # noqa: F401
     except ImportError as error:
@@ -282,7 +287,7 @@ def test_train_py_runs_two_steps_on_cpu_offline(train, tmp_path, monkeypatch, pr
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    model_dir = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny")
+    model_dir = save_tiny_checkpoint(model_type, tmp_path / "tiny")
     data = write_llava_jsonl(tmp_path / "data")
     trainer = train.main(
         [
@@ -576,7 +581,7 @@ def test_a_llama_factory_yaml_names_each_key_with_its_equivalent_in_one_error(tr
 
 
 @pytest.mark.parametrize("mode", ["rows", "flat"])
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MODEL_TYPES + GLM_TYPES)
 def test_the_collators_batch_is_pinnable_every_tensor_nested_ones_too(model_type, mode, monkeypatch):
     """The recipes pin the batch (``dataloader_pin_memory``) and copy it with ``non_blocking``: torch's DataLoader
     pinning (``pin_memory`` of ``torch.utils.data``) must reach every tensor of the collator's batch, the nested

@@ -16,10 +16,14 @@ from tests.helpers import (
     MODEL_TYPES,
     assert_equivalent,
     conversations,
+    each_sample_alone,
+    glm_params,
     load_processor,
     loss_and_grads,
     model_and_processor,
+    padded_rows,
     processed_batch,
+    processed_samples,
     torchrun,
 )
 
@@ -59,11 +63,49 @@ def test_images_and_video_in_one_tower_call_equal_two(model_type):
     assert vision_grads  # the features of both kinds reach the loss through the single call
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", glm_params("glm4v", "glm4v_moe"))
+def test_glm_images_and_video_in_one_tower_call_equal_each_sample_alone(model_type, monkeypatch):
+    """GLM-V: the same padded batch of 2 images and a video (the video's frames encoded as images) in one tower call.
+    transformers' GLM refuses that batch, so the oracle is each sample alone, unpatched: one tower call each. Its
+    loss and every gradient equal the patched batch's, and the tower's parameters get a gradient through the call.
+    Negative control: the same call with the tower's attention over all items at once (its frame boundaries
+    dropped) fails the comparison."""
+    from hf_packing.ops.varlen import PackedSequences
+    from hf_packing.patches import _attention
+
+    processor = load_processor(model_type)
+    rows = [conversations()[2], conversations()[4]]
+    batch = processed_batch(processor, rows)
+    assert "pixel_values" in batch and "pixel_values_videos" in batch
+    model = build_tiny_model(model_type, processor_dir=FIXTURES / model_type)
+    calls = _count_tower_calls(model)
+    reference = each_sample_alone(model, processed_samples(processor, rows))
+    assert len(calls) == 2
+    calls.clear()
+    hf_packing.apply_rmpad(model_type)
+    got = loss_and_grads(model, batch)
+    assert len(calls) == 1
+    assert_equivalent(reference, got, f"{model_type}: one tower call vs each sample alone")
+    assert any(n.startswith("model.visual.") and g.abs().sum() > 0 for n, g in got[1].items())
+    kernel = _attention.varlen_attention
+
+    def merged(q, k, v, seqs, *, causal, **kwargs):
+        if not causal:  # the tower's attention: every frame of every item as one sequence
+            seqs = PackedSequences.from_seqlens([sum(seqs.seqlens)], device=seqs.cu_seqlens.device)
+        return kernel(q, k, v, seqs, causal=causal, **kwargs)
+
+    monkeypatch.setattr(_attention, "varlen_attention", merged)
+    with pytest.raises(AssertionError):
+        assert_equivalent(reference, loss_and_grads(model, batch), f"{model_type}: tower boundaries dropped")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "glm4v"])
 def test_one_call_splits_back_into_the_two_calls_outputs(model_type):
     """Inside `tower_calls` the image and video features (pooled, pre-merge ``last_hidden_state``, DeepStack) equal
-    two separate tower calls, split by pixel rows without reading the grids back (no ``tolist``)."""
-    from hf_packing.patches._vision import tower_calls
+    two separate tower calls, split by pixel rows without reading the grids back (no ``tolist``). GLM-V (a video's
+    frames encoded as images): with the collator's precomputed inputs, which give the per-item split from the host."""
+    from hf_packing.patches._spec import FAMILIES
+    from hf_packing.patches._vision import precomputed_vision_inputs, tower_calls
     from hf_packing.testing.syncs import SyncCounter
 
     processor = load_processor(model_type)
@@ -76,7 +118,12 @@ def test_one_call_splits_back_into_the_two_calls_outputs(model_type):
             backbone.get_image_features(vision["pixel_values"], vision["image_grid_thw"], return_dict=True),
             backbone.get_video_features(vision["pixel_values_videos"], vision["video_grid_thw"], return_dict=True),
         )
-        with tower_calls(backbone, **vision, dummy=False), SyncCounter() as counter:
+        frames = FAMILIES[model_type].video_frames_as_images
+        grids = torch.cat([vision["image_grid_thw"], vision["video_grid_thw"]]).tolist()
+        config, n_images = backbone.config.vision_config, len(vision["image_grid_thw"])
+        given = precomputed_vision_inputs(config, grids, n_images=n_images, frames_as_images=True)
+        extra = {"frames_as_images": True, "precomputed": given} if frames else {}
+        with tower_calls(backbone, **vision, dummy=False, **extra), SyncCounter() as counter:
             joint = (
                 backbone.get_image_features(vision["pixel_values"], vision["image_grid_thw"], return_dict=True),
                 backbone.get_video_features(vision["pixel_values_videos"], vision["video_grid_thw"], return_dict=True),
@@ -85,6 +132,7 @@ def test_one_call_splits_back_into_the_two_calls_outputs(model_type):
     for one, two in zip(apart, joint):
         assert sorted(one.keys()) == sorted(two.keys())
         torch.testing.assert_close(one.last_hidden_state, two.last_hidden_state)
+        assert [p.shape for p in one.pooler_output] == [p.shape for p in two.pooler_output]  # split per item
         torch.testing.assert_close(torch.cat(one.pooler_output), torch.cat(two.pooler_output))
         for a, b in zip(one.get("deepstack_features") or (), two.get("deepstack_features") or ()):
             torch.testing.assert_close(torch.cat(list(a)), torch.cat(list(b)))
@@ -171,15 +219,18 @@ def test_vision_seqlens_match_transformers_boundaries():
     assert _VisionBoundaries()(cu_windows, None).seqlens == windows  # outside: read back from the tensor
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
 def test_precomputed_vision_inputs_equal_the_towers_own(model_type):
     """The collator's ``vision_inputs`` (transformers' own helpers, run on the host grids in the worker) give the
     tower exactly the features it computes itself, on odd grids (Qwen2.5-VL windows cut at image edges, a 2-frame
     video, Qwen3-VL's position interpolation), unpatched and through the patched varlen route; and with them the
-    tower makes no sync, no ``tolist`` read and no tensor from host data."""
+    tower makes no sync, no ``tolist`` read and no tensor from host data. GLM-V's tower takes a video's frames as
+    images: the precomputed inputs of the grids as the collator has them (images, then whole videos) equal the
+    tower's own on the frames' grids."""
     from hf_packing import _compat
     from hf_packing.patches._attention import host_vision_seqlens
-    from hf_packing.patches._vision import ITEM_TOKENS, precomputed_vision_inputs, vision_seqlens
+    from hf_packing.patches._spec import FAMILIES
+    from hf_packing.patches._vision import ITEM_TOKENS, TOWER_GRIDS, precomputed_vision_inputs, vision_seqlens
     from hf_packing.testing.syncs import SyncCounter
     from hf_packing.testing.tiny import build_tiny_model
 
@@ -188,12 +239,20 @@ def test_precomputed_vision_inputs_equal_the_towers_own(model_type):
     overrides = {"vision_config": {"window_size": 4 * 2 * 14}} if model_type == "qwen2_5_vl" else {}
     model = build_tiny_model(model_type, **overrides)
     tower, vision = model.model.visual, model.config.vision_config
-    grids = [[1, 10, 18], [2, 8, 8], [1, 2, 4]]
+    grids = [[1, 10, 18], [2, 8, 8], [1, 2, 4]]  # an image, then two videos
+    frames = FAMILIES[model_type].video_frames_as_images
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), patch_dim, generator=torch.Generator().manual_seed(0))
-    grid = torch.tensor(grids)
-    precomputed = precomputed_vision_inputs(vision, grids)
-    assert precomputed.pop(ITEM_TOKENS) == [t * h * w // vision.spatial_merge_size**2 for t, h, w in grids]
+
+    def inputs() -> tuple[torch.Tensor, dict]:
+        """(the tower's grids, the precomputed keywords it pops) as the patched forward hands them over"""
+        given = precomputed_vision_inputs(vision, grids, n_images=1, frames_as_images=frames)
+        assert given.pop(ITEM_TOKENS) == [t * h * w // vision.spatial_merge_size**2 for t, h, w in grids]
+        return given.pop(TOWER_GRIDS, torch.tensor(grids)), given
+
+    grid, precomputed = inputs()
+    if frames:  # each video frame as a 1-frame image
+        assert grid.tolist() == [[1, 10, 18], [1, 8, 8], [1, 8, 8], [1, 2, 4]]
     assert {"position_ids", "cu_seqlens", "max_seqlen"} <= set(precomputed)
     assert ("window_index" in precomputed) == (model_type == "qwen2_5_vl")
     assert ("interp_indices" in precomputed) == (model_type == "qwen3_vl")
@@ -204,7 +263,7 @@ def test_precomputed_vision_inputs_equal_the_towers_own(model_type):
         hf_packing.apply_rmpad(model_type)
         try:
             patched = tower(pixels, grid_thw=grid).pooler_output
-            again = {k: v for k, v in precomputed_vision_inputs(vision, grids).items() if k != ITEM_TOKENS}
+            again = inputs()[1]
             # as in the patched forward: the host lengths from the collator's grids (`vision_grids`)
             with host_vision_seqlens(vision_seqlens(vision, grids)), SyncCounter() as counter:
                 patched_given = tower(pixels, grid_thw=grid, **again).pooler_output
@@ -273,7 +332,7 @@ def test_scatter_rows_equals_masked_scatter_values_and_gradients():
     assert not torch.equal(short[0], want[0])
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
 def test_a_frozen_tower_runs_without_autograd_and_trains_the_same(model_type):
     """A frozen vision tower under gradient checkpointing: where transformers' input-gradient hook reaches the tower's
     patch embedding (Qwen2-VL, Qwen2.5-VL), unpatched every tower block's output requires a gradient and the backward
@@ -283,7 +342,7 @@ def test_a_frozen_tower_runs_without_autograd_and_trains_the_same(model_type):
     model.model.visual.requires_grad_(False)
     model.gradient_checkpointing_enable()
     model.train()
-    batch = processed_batch(processor)
+    batch = processed_batch(processor, padded_rows(model_type))
     graph: list[bool] = []
     model.model.visual.blocks[-1].register_forward_hook(lambda m, i, out: graph.append(_first(out).requires_grad))
     hooked = any(m._forward_hooks for m in model.model.visual.patch_embed.modules())  # transformers' hook

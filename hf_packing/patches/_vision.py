@@ -38,7 +38,8 @@ _MODALITY_PREFIXES = ("image_", "video_")
 
 def _items(output: Any, keep: slice, rows: slice) -> ModelOutput:
     """The part of a tower output that belongs to items ``keep`` (``pooler_output`` is a tuple per item), whose
-    pre-merge patches are ``last_hidden_state[rows]``."""
+    pre-merge patches are ``last_hidden_state[rows]`` (or, for a tower whose ``last_hidden_state`` is already one row
+    per merged token, GLM-V's, the rows of those items' tokens)."""
     fields = dict(output.items())
     fields["pooler_output"] = tuple(output.pooler_output[keep])
     merged = [len(item) for item in output.pooler_output]
@@ -47,8 +48,12 @@ def _items(output: Any, keep: slice, rows: slice) -> ModelOutput:
             tuple(layer[keep]) if isinstance(layer, (tuple, list)) else _rows(layer, merged, keep)
             for layer in output.deepstack_features
         ]
-    if output.get("last_hidden_state") is not None:  # pre-merge patch features, in item order: (Σ t·h·w, D)
-        fields["last_hidden_state"] = output.last_hidden_state[rows]
+    if output.get("last_hidden_state") is not None:
+        # in item order: pre-merge patch features (Σ t·h·w, D) on the Qwen-VL towers; GLM-V's tower downsamples before
+        # it returns, one row per merged token (Σ t·h·w / merge², D), so the pixel rows would take the next item's
+        # (the two counts are equal only when merge is 1, where both splits are the same)
+        hidden = output.last_hidden_state
+        fields["last_hidden_state"] = _rows(hidden, merged, keep) if hidden.shape[0] == sum(merged) else hidden[rows]
     part = type(output)()
     for key, value in fields.items():  # item by item: some towers add keys that are not fields (5.17's router_logits)
         part[key] = value
