@@ -92,6 +92,45 @@ def test_counts_any_collator_and_boundary_kwargs():
     assert (counts["videos"], counts["images"], counts["vision_patches"], counts["forwards"]) == (1, 0, 48, 3)
 
 
+def test_qwen4_exp_qsa_counts_are_exact_on_every_boundary_kwarg():
+    """Qwen4-Exp: the telemetry counts what its QSA layers attend and score per document (flat rows with
+    cu_seqlens, rows with a mask, rows with neither), on the device; they equal a per-query count of the rule
+    (``r·min(k, ⌊m/r⌋) + m mod r`` keys, ``⌊m/r⌋`` blocks scored, at ``m`` = offset + 1) and give the text FLOPs of
+    `ModelFlops.text_of` on the same documents. Negative control: Σ len² alone (QSA as dense attention) is far off."""
+    from hf_packing.ops.flops import ModelFlops
+
+    class Dummy(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return None
+
+    flops = ModelFlops.from_model(build_tiny_model("qwen4_exp"))
+    r, k = flops.compress_ratio, flops.block_topk
+    assert flops.qsa_layers and (r, k) == (4, 2)
+    module, telemetry = Dummy(), PackingTelemetry(model_flops=flops)
+    telemetry.attach(module)
+    module(input_ids=torch.zeros(1, 45, dtype=torch.long), cu_seqlens=torch.tensor([0, 40, 43, 45], dtype=torch.int32))
+    module(
+        input_ids=torch.zeros(2, 30, dtype=torch.long), attention_mask=(torch.arange(30) < torch.tensor([[30], [7]]))
+    )
+    module(torch.zeros(2, 11, dtype=torch.long))  # no boundaries: each row one document
+    counts = telemetry.counts()
+    telemetry.detach()
+    documents = [40, 3, 2, 30, 7, 11, 11]
+    keys = sum(r * min(k, m // r) + m % r for n in documents for m in range(1, n + 1))
+    scored = sum(m // r for n in documents for m in range(1, n + 1))
+    assert (counts["qsa_keys"], counts["qsa_scored"]) == (keys, scored)
+    text = flops.text_counts(
+        tokens=counts["real_tokens"],
+        sum_sq_lens=counts["sum_sq_lens"],
+        qsa_keys=counts["qsa_keys"],
+        qsa_scored=counts["qsa_scored"],
+    )
+    assert text == pytest.approx(flops.text_of(documents), rel=1e-12)
+    dense = flops.text(tokens=counts["real_tokens"], sum_sq_lens=counts["sum_sq_lens"])
+    print(f"qwen4_exp text FLOPs: exact {text:.4e}, QSA as dense {dense:.4e}")
+    assert abs(dense / text - 1) > 0.05
+
+
 def test_peak_from_device_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name, peak in [

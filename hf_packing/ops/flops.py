@@ -14,8 +14,9 @@ a sample's metadata: tokens n, P = Σ t·h·w and Q = Σ t·(h·w)²)::
             Qwen4-Exp's QSA layers (`ModelFlops.text_of`, exact per document): 12·d per selected (query, key) pair
             instead of the causal square, the indexer 2·H_idx·D_idx per (query, visible block) and 2·N_idx per token
             (forward only: no gradient reaches it); its PLE n-gram tables are lookups, its conv and
-            hyper-connection mixers matmul weights in N. The telemetry and the packer's balance, which see only
-            Σ len², count QSA layers as dense causal attention (an upper bound).
+            hyper-connection mixers matmul weights in N. The telemetry counts them exactly as well (`qsa_counts` of
+            each micro-batch's lengths, on the device); the packer's balance, which sees only Σ len², counts QSA
+            layers as dense causal attention (an upper bound).
     vision  P = Σ t·h·w patches, m = spatial_merge_size:
             patch embedding 2·N_pe·P forward (its backward computes only the weight gradient: ×2 in all),
             blocks 2·N_blk·P, merger and DeepStack mergers 2·N_mrg·P/m² (they run on merged tokens; GLM-V's
@@ -84,21 +85,28 @@ def _matmul_numel(named: Any, experts: int | None = None, active: int | None = N
     return total
 
 
-def _floor_sum(n: int, r: int) -> int:
-    """Σ_{m=1..n} ⌊m / r⌋."""
-    q, rem = divmod(n, r)
+def _floor_sum(n, r: int):
+    """Σ_{m=1..n} ⌊m / r⌋, of an int or elementwise of an int64 tensor."""
+    q, rem = n // r, n % r
     return r * q * (q - 1) // 2 + q * (rem + 1)
 
 
-def qsa_counts(n: int, compress_ratio: int, block_topk: int) -> tuple[int, int]:
+def qsa_counts(n, compress_ratio: int, block_topk: int):
     """Per QSA layer, for one document of ``n`` tokens (`hf_packing.ops.sparse_attention`'s rule, closed form):
     Σ over queries of the keys each attends (its ``min(k, v)`` selected blocks of ``r`` and its tail of ``m mod r``,
-    ``v = ⌊m / r⌋`` complete blocks visible to the query at ``m = offset + 1``), and Σ of ``v`` (blocks scored)."""
+    ``v = ⌊m / r⌋`` complete blocks visible to the query at ``m = offset + 1``), and Σ of ``v`` (blocks scored).
+
+    ``n`` is an int, or an int64 tensor of document lengths (elementwise, on its device: the telemetry counts a
+    batch without a host sync); returns ``(keys, scored)`` of the same kind.
+    """
     r, k = compress_ratio, block_topk
+    if isinstance(n, torch.Tensor):
+        short, long = n.clamp(max=k * r - 1), (n - k * r + 1).clamp(min=0)
+    else:
+        short, long = min(n, k * r - 1), max(0, n - k * r + 1)
     scored = _floor_sum(n, r)
-    selected = _floor_sum(min(n, k * r - 1), r) + k * max(0, n - k * r + 1)
     tails = n * (n + 1) // 2 - r * scored
-    return r * selected + tails, scored
+    return r * (_floor_sum(short, r) + k * long) + tails, scored
 
 
 def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -209,17 +217,33 @@ class ModelFlops:
         return 6.0 * self.text_params * tokens + attention + 18.0 * self.linear_layers * self.linear_state * tokens
 
     def text_of(self, lengths: list[int]) -> float:
-        """`text` of documents of ``lengths``, with Qwen4-Exp's QSA layers exact (`qsa_counts`): each query attends
-        its ``K`` selected keys (``12·d·K``, not the causal square) and its indexer scores its visible blocks
-        (``2·H_idx·D_idx`` per block, forward only, as its projections: ``2·N_idx`` per token, not 6)."""
-        tokens = float(sum(lengths))
-        dense = self.text(tokens=tokens, sum_sq_lens=sum(float(n) ** 2 for n in lengths))
+        """`text` of documents of ``lengths``, with Qwen4-Exp's QSA layers exact (`text_counts`)."""
+        keys = scored = 0.0
+        if self.qsa_layers:
+            keys, scored = (float(sum(c)) for c in zip(*(self.qsa_counts(n) for n in lengths)))
+        return self.text_counts(
+            tokens=float(sum(lengths)),
+            sum_sq_lens=sum(float(n) ** 2 for n in lengths),
+            qsa_keys=keys,
+            qsa_scored=scored,
+        )
+
+    def qsa_counts(self, lengths):
+        """`qsa_counts` with this model's ratio and budget (an int length, or an int64 tensor of lengths)."""
+        return qsa_counts(lengths, self.compress_ratio, self.block_topk)
+
+    def text_counts(
+        self, *, tokens: float, sum_sq_lens: float, qsa_keys: float = 0.0, qsa_scored: float = 0.0
+    ) -> float:
+        """`text` with Qwen4-Exp's QSA layers exact, from summed counts (`qsa_counts` over the documents): each
+        query attends its selected keys (``12·d`` per key, not the causal square) and its indexer scores its visible
+        blocks (``2·H_idx·D_idx`` per block, forward only, as its projections: ``2·N_idx`` per token, not 6)."""
+        dense = self.text(tokens=tokens, sum_sq_lens=sum_sq_lens)
         if not self.qsa_layers:
             return dense
-        keys, scored = (sum(c) for c in zip(*(qsa_counts(n, self.compress_ratio, self.block_topk) for n in lengths)))
-        square = 6.0 * self.qsa_layers * self.attention_dim * sum(float(n) ** 2 for n in lengths)
-        sparse = 12.0 * self.qsa_layers * self.attention_dim * keys
-        indexer = 2.0 * self.qsa_layers * self.indexer_dim * scored - 4.0 * self.indexer_params * tokens
+        square = 6.0 * self.qsa_layers * self.attention_dim * sum_sq_lens
+        sparse = 12.0 * self.qsa_layers * self.attention_dim * qsa_keys
+        indexer = 2.0 * self.qsa_layers * self.indexer_dim * qsa_scored - 4.0 * self.indexer_params * tokens
         return dense - square + sparse + indexer
 
     def vision(self, *, patches: float, frame_sq: float, window_sq: float | None = None) -> float:

@@ -84,8 +84,21 @@ PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("A100", 312.0),
     ("A800", 312.0),
 )
-_DEVICE_KEYS = ("real", "sq", "patches", "sp_pad")  # accumulated as on-device int64
-_HOST_KEYS = ("real_host", "sq_host", "slots", "images", "videos", "forwards", "sp_pad_host", "comm_s", "vision_flops")
+#: accumulated as on-device int64; qsa_keys / qsa_scored: Qwen4-Exp's QSA counts (`ModelFlops.qsa_counts`)
+_DEVICE_KEYS = ("real", "sq", "patches", "sp_pad", "qsa_keys", "qsa_scored")
+_HOST_KEYS = (
+    "real_host",
+    "sq_host",
+    "slots",
+    "images",
+    "videos",
+    "forwards",
+    "sp_pad_host",
+    "comm_s",
+    "vision_flops",
+    "qsa_keys_host",
+    "qsa_scored_host",
+)
 #: positions in the all-reduced vector of the counts every SP rank of a group makes of the same pack
 _PER_PACK = [i for i, key in enumerate(_DEVICE_KEYS + _HOST_KEYS) if key != "comm_s"]
 
@@ -195,12 +208,25 @@ class PackingTelemetry(TrainerCallback):
             host["real_host"] += shape.numel()
             host["sp_pad_host"] += -shape.numel() % size
         cu = kwargs.get("cu_seqlens", kwargs.get("cu_seq_lens_q"))
+        lengths = None
         if isinstance(cu, torch.Tensor):
-            self._add(1, (cu[1:] - cu[:-1]).long().pow(2).sum())
+            lengths = (cu[1:] - cu[:-1]).long()
         elif mask is not None:
-            self._add(1, mask.sum(-1).long().pow(2).sum())
+            lengths = mask.sum(-1).long()
         else:  # no boundaries given: each row is one document (an upper bound for packed rows)
             host["sq_host"] += shape[0] * shape[-1] ** 2
+        if lengths is not None:
+            self._add(1, lengths.pow(2).sum())
+        flops = self.model_flops
+        if flops is not None and flops.qsa_layers:  # Qwen4-Exp: what its QSA layers attend and score, exactly
+            if lengths is not None:
+                keys, scored = flops.qsa_counts(lengths)
+                self._add(4, keys.sum())
+                self._add(5, scored.sum())
+            else:
+                keys, scored = flops.qsa_counts(int(shape[-1]))
+                host["qsa_keys_host"] += shape[0] * keys
+                host["qsa_scored_host"] += shape[0] * scored
         for key, count_key in (("image_grid_thw", "images"), ("video_grid_thw", "videos")):
             grid = kwargs.get(key)
             if isinstance(grid, torch.Tensor) and grid.numel():
@@ -248,6 +274,8 @@ class PackingTelemetry(TrainerCallback):
         return {
             "real_tokens": v["real"] + v["real_host"],
             "sum_sq_lens": v["sq"] + v["sq_host"],
+            "qsa_keys": v["qsa_keys"] + v["qsa_keys_host"],
+            "qsa_scored": v["qsa_scored"] + v["qsa_scored_host"],
             "vision_patches": v["patches"],
             "sp_padding_tokens": v["sp_pad"] + v["sp_pad_host"],
             **{k: v[k] for k in _HOST_KEYS[2:6] + ("has_stats", "dropped")},
@@ -337,7 +365,12 @@ class PackingTelemetry(TrainerCallback):
         if c["has_stats"]:
             new["dropped_samples"] = c["dropped"]
         if self.model_flops is not None:  # the counts of `training_flops`, summed over the window's micro-batches
-            text = self.model_flops.text(tokens=c["real_tokens"], sum_sq_lens=c["sum_sq_lens"])
+            text = self.model_flops.text_counts(
+                tokens=c["real_tokens"],
+                sum_sq_lens=c["sum_sq_lens"],
+                qsa_keys=c["qsa_keys"],
+                qsa_scored=c["qsa_scored"],
+            )
             vision = c["vision_flops"]
             per_device = 1.0 / seconds / self._world / 1e12
             new["tflops_per_s_per_device"] = (text + vision) * per_device
