@@ -273,13 +273,10 @@ class _TextAttentionCalls:
         monkeypatch.setattr(_attention, "qsa_attention", counted_sparse)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type", list(GLM_CLASSES))
-def test_transformers_glm_modeling_tests_pass_under_the_patch_as_plain(model_type, monkeypatch):
-    """Every test of transformers' own ``<Family>ModelTest`` (the model tester's call with ``use_cache`` off) that
-    passes plain passes under `hf_packing.apply_rmpad`, except `GLM_REFUSALS`; the patched run goes through the
-    packed text attention, the plain one never."""
-    case = _glm_case(model_type)
+def _plain_then_patched(case, model_type: str, label: str, monkeypatch) -> tuple[int, int, dict[str, str], list[str]]:
+    """Every test of ``case`` plain (through no packed text attention), then under ``apply_rmpad(model_type)``;
+    prints the tally. Returns (tests passing plain, packed text attention calls patched, the patched failures with
+    their tracebacks, the names that fail only patched)."""
     names = unittest.TestLoader().getTestCaseNames(case)
     attention = _TextAttentionCalls(monkeypatch)
     plain, ran, skipped = _outcomes(case, names)
@@ -288,13 +285,29 @@ def test_transformers_glm_modeling_tests_pass_under_the_patch_as_plain(model_typ
     patched, _, patched_skipped = _outcomes(case, names)
     passed, new = ran - skipped - len(plain), sorted(set(patched) - set(plain))
     print(
-        f"{model_type}: {ran} tests, plain passed {passed} / failed {len(plain)} / skipped {skipped}; patched failed "
+        f"{label}: {ran} tests, plain passed {passed} / failed {len(plain)} / skipped {skipped}; patched failed "
         f"{len(patched)} / skipped {patched_skipped}, packed text attention calls {attention.calls}; new under the "
         f"patch {new}; plain failures {sorted(plain)}"
     )
-    assert passed > 0 and attention.calls > 0
-    assert set(new) <= set(GLM_REFUSALS), {n: patched[n].strip().splitlines()[-1] for n in new}
-    assert all(GLM_REFUSALS[n] in patched[n] for n in new), {n: patched[n].strip().splitlines()[-1] for n in new}
+    return passed, attention.calls, patched, new
+
+
+def _assert_only_refusals(new: list[str], patched: dict[str, str], refusals: dict[str, str]) -> None:
+    """The tests failing only patched are documented refusals, each failing with its documented error."""
+    last_lines = {n: patched[n].strip().splitlines()[-1] for n in new}
+    assert set(new) <= set(refusals), last_lines
+    assert all(refusals[n] in patched[n] for n in new), last_lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", list(GLM_CLASSES))
+def test_transformers_glm_modeling_tests_pass_under_the_patch_as_plain(model_type, monkeypatch):
+    """Every test of transformers' own ``<Family>ModelTest`` (the model tester's call with ``use_cache`` off) that
+    passes plain passes under `hf_packing.apply_rmpad`, except `GLM_REFUSALS`; the patched run goes through the
+    packed text attention, the plain one never."""
+    passed, calls, patched, new = _plain_then_patched(_glm_case(model_type), model_type, model_type, monkeypatch)
+    assert passed > 0 and calls > 0
+    _assert_only_refusals(new, patched, GLM_REFUSALS)
 
 
 @pytest.mark.slow
@@ -331,18 +344,6 @@ def test_transformers_qwen4_exp_modeling_tests_pass_under_the_patch_as_plain(cla
     text attention (QSA included). Before the patched decoder layer carried transformers' checkpointing wrapper,
     ``test_training_gradient_checkpointing`` (and its two ``use_reentrant`` variants) failed here on both classes."""
     case = _upstream_case("qwen4_exp", class_name)
-    names = unittest.TestLoader().getTestCaseNames(case)
-    attention = _TextAttentionCalls(monkeypatch)
-    plain, ran, skipped = _outcomes(case, names)
-    assert attention.calls == 0
-    hf_packing.apply_rmpad("qwen4_exp")
-    patched, _, patched_skipped = _outcomes(case, names)
-    passed, new = ran - skipped - len(plain), sorted(set(patched) - set(plain))
-    print(
-        f"{class_name}: {ran} tests, plain passed {passed} / failed {len(plain)} / skipped {skipped}; patched failed "
-        f"{len(patched)} / skipped {patched_skipped}, packed text attention calls {attention.calls}; new under the "
-        f"patch {new}; plain failures {sorted(plain)}"
-    )
-    assert passed > 0 and (attention.calls > 0) == QWEN4_EXP_CLASSES[class_name]
-    assert set(new) <= set(QWEN4_EXP_REFUSALS), {n: patched[n].strip().splitlines()[-1] for n in new}
-    assert all(QWEN4_EXP_REFUSALS[n] in patched[n] for n in new), {n: patched[n].strip().splitlines()[-1] for n in new}
+    passed, calls, patched, new = _plain_then_patched(case, "qwen4_exp", class_name, monkeypatch)
+    assert passed > 0 and (calls > 0) == QWEN4_EXP_CLASSES[class_name]
+    _assert_only_refusals(new, patched, QWEN4_EXP_REFUSALS)
